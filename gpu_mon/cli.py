@@ -1,32 +1,272 @@
-"""Command line: argument parsing, wiring of real adapters, exit codes."""
-# Temporary stub while the core lands; `stress` is wired for real.
+"""Command line: argument parsing, wiring of the real adapters, exit codes.
+
+Exit codes: 0 ok; 1 runtime failure; 2 bad usage or bad config. Errors are one line on stderr naming what
+is wrong and where; a traceback only with --debug.
+"""
+
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import shutil
 import sys
-from typing import Optional, Sequence
+import time
+from typing import List, Optional, Sequence, Tuple
 
-from gpu_mon import __version__, stress
+from gpu_mon import __version__, logs, policy, report, statefile, stress
+from gpu_mon.config import (
+    DEFAULT_PATH,
+    Config,
+    ConfigError,
+    Defaults,
+    TtySection,
+    trusted_uid_for_this_process,
+)
+from gpu_mon.config import load as load_config_file
+from gpu_mon.model import PolicyState
+from gpu_mon.observe import Backend, Observer
+from gpu_mon.sim import SimBackend, SimError
+from gpu_mon.supervisor import workload_env
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class CliError(Exception):
+    """A one-line error with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
+    """--config, --sim and --debug, accepted before or after the command."""
+    d = None if top else argparse.SUPPRESS
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        default=d,
+        help=f"config file (default {DEFAULT_PATH})" if top else argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--sim",
+        metavar="FILE",
+        default=d,
+        help="simulated GPUs from a JSON file instead of NVML (tests, demos; also GPU_MON_SIM)"
+        if top
+        else argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="debug logging, and tracebacks on errors" if top else argparse.SUPPRESS,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole `gpu-mon` argument parser."""
-    parser = argparse.ArgumentParser(prog="gpu-mon")
+    parser = argparse.ArgumentParser(
+        prog="gpu-mon",
+        description="Run work on idle NVIDIA GPUs and yield the instant anyone else needs them.",
+    )
     parser.add_argument("--version", action="version", version=f"gpu-mon {__version__}")
-    parser.add_argument("--debug", action="store_true", help="debug logging and tracebacks")
+    _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    p_stress = sub.add_parser("stress", help="built-in CUDA stressor (needs the gpu-mon[stress] extra)")
-    stress.add_arguments(p_stress)
+    p = sub.add_parser("run", help="the daemon, in the foreground (systemd runs it so); logs to stderr")
+    _add_common(p, top=False)
+    p = sub.add_parser("check", help="validate the config and check it against this host; exit 0 or 2")
+    _add_common(p, top=False)
+    p = sub.add_parser("status", help="GPUs, who holds each, terminal users, workloads")
+    _add_common(p, top=False)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("stress", help="built-in CUDA stressor (needs the gpu-mon[stress] extra)")
+    _add_common(p, top=False)
+    stress.add_arguments(p)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _config_path(args: argparse.Namespace) -> Tuple[str, bool]:
+    return (args.config, True) if args.config else (DEFAULT_PATH, False)
+
+
+def _load_config(args: argparse.Namespace, required: bool) -> Optional[Config]:
+    path, explicit = _config_path(args)
+    if not required and not explicit and not os.path.lexists(path):
+        return None
+    return load_config_file(path, trusted_uid_for_this_process())
+
+
+def _sim_path(args: argparse.Namespace) -> Optional[str]:
+    return args.sim or os.environ.get("GPU_MON_SIM") or None
+
+
+def _backend(args: argparse.Namespace) -> Tuple[Backend, str]:
+    sim = _sim_path(args)
+    if sim:
+        backend = SimBackend(sim)
+        try:
+            backend.load()
+        except SimError as err:
+            raise CliError(str(err)) from None
+        return backend, f"simulated GPUs from {backend.path}"
+    from gpu_mon.nvml import NvmlBackend
+
+    return NvmlBackend(), "NVML"
+
+
+def _fresh_look(config: Optional[Config], backend: Backend, source: str) -> dict:
+    observer = Observer(backend)
+    observer.read_gpus()
+    observer.scan("full")
+    tty = config.tty if config else TtySection()
+    snap = observer.snapshot(time.monotonic(), (), tty.devices)
+    cfg = config or Config(path="(none)")
+    plan = policy.resolve(cfg, snap.reading.gpus) if not snap.reading.error else policy.Plan({}, (), {})
+    decision = policy.decide(cfg, plan, snap, PolicyState())
+    backend.close()
+    return report.build(config, plan, snap, decision, source=source)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """`gpu-mon status`: the daemon's view, or one fresh look when no daemon runs."""
+    config = _load_config(args, required=False)
+    state_file = config.defaults.state_file if config else Defaults().state_file
+    doc = statefile.read_live(state_file)
+    if doc is None:
+        backend, source = _backend(args)
+        doc = _fresh_look(config, backend, source)
+        if config is None:
+            doc["config"] = f"{DEFAULT_PATH} (missing: showing the host only)"
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(report.render(doc))
+    return EXIT_FAILURE if doc.get("error") and not doc.get("daemon") else EXIT_OK
+
+
+def _host_warnings(config: Config) -> List[str]:
+    warnings: List[str] = []
+    for p in config.processes:
+        where = f"{config.path}:{p.line}: [process-{p.name}]"
+        exe = p.cmd[0]
+        path = workload_env(p, ())["PATH"]
+        if "/" in exe:
+            full = exe if os.path.isabs(exe) else os.path.join(p.dir, exe)
+            if not os.access(full, os.X_OK):
+                warnings.append(f"{where} cmd: {exe!r} is not an executable file")
+        elif shutil.which(exe, path=path) is None:
+            warnings.append(f"{where} cmd: {exe!r} is not on the workload's PATH ({path}); use a full path")
+        if not os.path.isdir(p.dir):
+            warnings.append(f"{where} dir: {p.dir!r} does not exist")
+        if p.log and not os.path.isdir(os.path.dirname(p.log) or "/"):
+            warnings.append(f"{where} log: the directory of {p.log!r} does not exist")
+    if os.geteuid() != 0:
+        warnings.append(
+            "not running as root: processes of other users cannot be inspected, so the daemon "
+            "would count every GPU as busy while any runs, and cannot switch workload users"
+        )
+    return warnings
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`gpu-mon check`: the config, then the GPUs, device nodes and commands it names on this host."""
+    config = _load_config(args, required=True)
+    assert config is not None
+    warnings = list(config.warnings) + _host_warnings(config)
+    backend, source = _backend(args)
+    reading = backend.read()
+    errors: List[str] = []
+    if reading.error:
+        warnings.append(f"cannot check the GPUs the config names: {reading.error}")
+    else:
+        plan = policy.resolve(config, reading.gpus)
+        errors.extend(f"{config.path}: {p}" for p in plan.problems)
+        observer = Observer(backend)
+        observer.read_gpus()
+        for uuid, why in observer.node_errors.items():
+            if uuid in plan.rules:
+                warnings.append(
+                    f"GPU {plan.index_of.get(uuid)} ({uuid}): {why}: it will always count as busy"
+                )
+    backend.close()
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    for e in errors:
+        print(e, file=sys.stderr)
+    if errors:
+        return EXIT_USAGE
+    n_gpus = len(reading.gpus)
+    print(
+        f"{config.path}: OK: {len(config.gpu_sections)} [gpu-*] and {len(config.processes)} [process-*] "
+        f"section(s); {n_gpus} GPU(s) seen ({source}); {len(warnings)} warning(s)"
+    )
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`gpu-mon run`: the daemon in the foreground."""
+    from gpu_mon.daemon import Daemon
+
+    config = _load_config(args, required=True)
+    assert config is not None
+    live = statefile.read_live(config.defaults.state_file)
+    if live is not None:
+        raise CliError(
+            f"another gpu-mon daemon is running (pid {live['daemon']['pid']}, state file "
+            f"{config.defaults.state_file})",
+            EXIT_FAILURE,
+        )
+    backend, source = _backend(args)
+    if os.geteuid() != 0:
+        logging.getLogger("gpu_mon").warning(
+            "not running as root: processes of other users cannot be inspected (GPUs count as busy while "
+            "any runs) and workloads run as %s",
+            os.environ.get("USER", "this user"),
+        )
+    daemon = Daemon(
+        config, backend, trusted_uid=trusted_uid_for_this_process(), source="" if source == "NVML" else source
+    )
+    return daemon.run()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `gpu-mon`; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    if args.command == "stress":
-        return stress.run(args)
-    return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.setup(debug=args.debug)
+    try:
+        if args.command == "stress":
+            return stress.run(args)
+        handler = {"run": cmd_run, "check": cmd_check, "status": cmd_status}[args.command]
+        return handler(args)
+    except ConfigError as err:
+        for line in err.errors:
+            print(line, file=sys.stderr)
+        return EXIT_USAGE
+    except CliError as err:
+        print(f"gpu-mon: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as err:
+        if args.debug:
+            raise
+        print(
+            f"gpu-mon: error: {type(err).__name__}: {err} (run with --debug for a traceback)", file=sys.stderr
+        )
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

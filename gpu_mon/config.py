@@ -1,0 +1,596 @@
+"""INI text -> frozen dataclasses. Strict: every error in a file is reported at once, with its line.
+
+The format is the gpu_mon seed's: `[defaults]`, `[gpu-NAME]`, `[process-NAME]`, `[tty]`; `key = value` (or
+`key: value`); full-line comments with `;` or `#`; an indented line continues the previous value. Keys are
+case-insensitive. Relative paths are relative to the directory of the config file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import grp
+import math
+import os
+import pwd
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from gpu_mon import safefile
+
+DEFAULT_PATH = "/etc/gpu_mon.conf"
+MAX_CONFIG_BYTES = 1 << 20
+MAX_SECONDS = 365 * 86400.0
+MAX_MIB = 1 << 30
+# Always ignored as GPU holders: they only read state (DESIGN.md "[gpu-NAME]").
+ALWAYS_IGNORED = ("nvidia-smi", "nvidia-persistenced", "nv-hostengine", "dcgm-exporter")
+DEFAULT_TTY_DEVICES = ("/dev/pts/*", "/dev/tty[0-9]*")
+_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SECTION_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+_RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
+
+
+class ConfigError(Exception):
+    """The config cannot be used; `errors` holds one line per problem."""
+
+    def __init__(self, errors: List[str]):
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
+
+
+@dataclass(frozen=True)
+class GpuSelection:
+    """`ALL`, or an ordered list of GPU references (int index or UUID string)."""
+
+    all: bool = False
+    refs: Tuple[object, ...] = ()
+
+    def __str__(self) -> str:
+        return "ALL" if self.all else ",".join(str(r) for r in self.refs)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The [defaults] section."""
+
+    interval_seconds: float = 2.0
+    start_delay_seconds: float = 60.0
+    stop_timeout_seconds: float = 10.0
+    restart_delay_seconds: float = 10.0
+    restart_delay_max_seconds: float = 600.0
+    healthy_run_seconds: float = 60.0
+    full_scan_seconds: float = 30.0
+    state_file: str = "/run/gpu_mon/state.json"
+
+
+@dataclass(frozen=True)
+class GpuSection:
+    """A [gpu-NAME] section: which GPUs to watch and what does not make them busy."""
+
+    name: str
+    gpus: GpuSelection
+    ignore_programs: Tuple[str, ...] = ()
+    ignore_users: Tuple[str, ...] = ()
+    busy_memory_mib: int = 1024
+    holder_grace_seconds: Optional[float] = None
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class ProcessSection:
+    """A [process-NAME] section: a workload and where it may run."""
+
+    name: str
+    cmd: Tuple[str, ...]
+    gpus: GpuSelection = GpuSelection(all=True)
+    dir: str = "/"
+    log: Optional[str] = None
+    user: str = "nobody"
+    user_explicit: bool = False
+    uid: int = 65534
+    gid: int = 65534
+    group: str = "nogroup"
+    groups: Tuple[int, ...] = ()  # supplementary groups of `user`
+    home: str = "/"
+    env: Tuple[Tuple[str, str], ...] = ()
+    per_gpu: bool = False
+    line: int = 0
+    fingerprint: Tuple[Tuple[str, str], ...] = ()  # the raw keys and values: a reload restarts on change
+
+
+@dataclass(frozen=True)
+class TtySection:
+    """The [tty] section: pause every workload while a terminal user is active."""
+
+    enabled: bool = False
+    whitelist: Tuple[str, ...] = ()
+    idle_seconds: float = 300.0
+    devices: Tuple[str, ...] = DEFAULT_TTY_DEVICES
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole, valid config."""
+
+    path: str
+    defaults: Defaults = Defaults()
+    gpu_sections: Tuple[GpuSection, ...] = ()
+    processes: Tuple[ProcessSection, ...] = ()
+    tty: TtySection = TtySection()
+    warnings: Tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lexing: lines -> sections of (key, value, line)
+
+
+@dataclass
+class _RawSection:
+    name: str
+    line: int
+    items: List[Tuple[str, str, int]] = field(default_factory=list)
+
+
+def _lex(text: str, where: Callable[[int], str], errors: List[str]) -> List[_RawSection]:
+    sections: List[_RawSection] = []
+    seen: Dict[str, int] = {}
+    current: Optional[_RawSection] = None
+    last_item: Optional[int] = None  # index into current.items that an indented line continues
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if not stripped or stripped[0] in ";#":
+            continue
+        if raw[0] in " \t" and current is not None and last_item is not None:
+            key, value, at = current.items[last_item]
+            current.items[last_item] = (key, (value + "\n" + stripped).strip(), at)
+            continue
+        last_item = None
+        if stripped.startswith("["):
+            if not stripped.endswith("]"):
+                errors.append(f"{where(lineno)}: section header is missing its closing ']'")
+                current = None
+                continue
+            name = stripped[1:-1].strip()
+            if name in seen:
+                errors.append(f"{where(lineno)}: [{name}] appears twice (first at line {seen[name]})")
+                current = None
+                continue
+            seen[name] = lineno
+            current = _RawSection(name, lineno)
+            sections.append(current)
+            continue
+        cut = [i for i in (stripped.find("="), stripped.find(":")) if i > 0]
+        if not cut:
+            errors.append(f"{where(lineno)}: expected 'key = value' or '[section]', found {stripped[:60]!r}")
+            continue
+        if current is None:
+            if not sections:
+                errors.append(f"{where(lineno)}: 'key = value' before any [section]")
+            continue  # inside a broken or duplicate section: already reported
+        i = min(cut)
+        key = stripped[:i].strip().lower()
+        value = stripped[i + 1 :].strip()
+        dup = [at for k, _, at in current.items if k == key]
+        if dup:
+            errors.append(f"{where(lineno)}: [{current.name}] {key}: set twice (first at line {dup[0]})")
+            continue
+        current.items.append((key, value, lineno))
+        last_item = len(current.items) - 1
+    return sections
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Value parsers: each returns the value or raises ValueError("what is wrong").
+
+
+def _seconds(value: str, minimum: float = 0.0, exclusive: bool = False) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number of seconds")
+    if number < minimum or (exclusive and number == minimum):
+        bound = "greater than" if exclusive else "at least"
+        raise ValueError(f"{value!r} must be {bound} {minimum:g}")
+    if number > MAX_SECONDS:
+        raise ValueError(f"{value!r} is too large (at most {MAX_SECONDS:.0f} seconds, one year)")
+    return number
+
+
+def _positive_seconds(value: str) -> float:
+    return _seconds(value, 0.0, exclusive=True)
+
+
+def _mib(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a whole number of MiB") from None
+    if number < 0:
+        raise ValueError(f"{value!r} must be 0 or more")
+    if number > MAX_MIB:
+        raise ValueError(f"{value!r} is too large (at most {MAX_MIB} MiB)")
+    return number
+
+
+_TRUE = ("1", "yes", "true", "on")
+_FALSE = ("0", "no", "false", "off")
+
+
+def _bool(value: str) -> bool:
+    low = value.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{value!r} is not a boolean (use yes/no, true/false, on/off or 1/0)")
+
+
+def _names(value: str) -> Tuple[str, ...]:
+    """A comma-separated list (newlines also separate); empty items are errors."""
+    if not value.strip():
+        return ()
+    items = [item.strip() for item in re.split(r"[,\n]", value)]
+    if any(not item for item in items):
+        raise ValueError(f"{value!r}: empty item in the list (stray comma?)")
+    return tuple(items)
+
+
+def _gpus(value: str) -> GpuSelection:
+    if value.strip().upper() == "ALL":
+        return GpuSelection(all=True)
+    if not value.strip():
+        raise ValueError("is empty (use ALL or a comma-separated list of GPU indices or UUIDs)")
+    refs: List[object] = []
+    for item in _names(value):
+        if item.isdigit() and item.isascii():
+            ref: object = int(item)
+            if ref > 4096:
+                raise ValueError(f"{item!r} is not a GPU index (too large)")
+        elif _UUID_RE.match(item):
+            ref = item
+        else:
+            raise ValueError(f"{item!r} is not a GPU index or UUID")
+        if ref in refs:
+            raise ValueError(f"{item!r} is listed twice")
+        refs.append(ref)
+    return GpuSelection(refs=tuple(refs))
+
+
+def _command(value: str) -> Tuple[str, ...]:
+    try:
+        argv = shlex.split(value)
+    except ValueError as err:
+        raise ValueError(f"cannot split {value!r}: {err}") from None
+    if not argv:
+        raise ValueError("is empty")
+    return tuple(argv)
+
+
+def _env(value: str) -> Tuple[Tuple[str, str], ...]:
+    try:
+        words = shlex.split(value)
+    except ValueError as err:
+        raise ValueError(f"cannot split {value!r}: {err}") from None
+    pairs: List[Tuple[str, str]] = []
+    for word in words:
+        name, eq, val = word.partition("=")
+        if not eq or not _ENV_NAME_RE.match(name):
+            raise ValueError(f"{word!r} is not NAME=VALUE")
+        if name in _RESERVED_ENV:
+            raise ValueError(f"{name} is set by gpu-mon itself (to the UUIDs of the workload's GPUs)")
+        pairs.append((name, val))
+    return tuple(pairs)
+
+
+def _path(base: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if not value:
+            raise ValueError("is empty")
+        if "\0" in value:
+            raise ValueError("contains a NUL byte")
+        return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+
+    return parse
+
+
+def _globs(value: str) -> Tuple[str, ...]:
+    words = value.replace(",", " ").split()
+    if not words:
+        raise ValueError("is empty")
+    return tuple(words)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sections
+
+
+class _Section:
+    """Parses one raw section against a schema, collecting errors with file:line and key."""
+
+    def __init__(self, raw: _RawSection, where: Callable[[int], str], errors: List[str]):
+        self.raw, self.where, self.errors = raw, where, errors
+
+    def error(self, line: int, key: Optional[str], message: str) -> None:
+        """Record one problem in this section."""
+        key_part = f" {key}" if key else ""
+        self.errors.append(f"{self.where(line)}: [{self.raw.name}]{key_part}: {message}")
+
+    def has(self, key: str) -> bool:
+        """Whether the key is written in the section at all (even with a bad value)."""
+        return any(k == key for k, _, _ in self.raw.items)
+
+    def parse(self, schema: Dict[str, Callable[[str], object]]) -> Dict[str, Tuple[object, int]]:
+        """Values of the known keys as {key: (value, line)}; unknown keys and bad values are errors."""
+        out: Dict[str, Tuple[object, int]] = {}
+        for key, value, line in self.raw.items:
+            if key not in schema:
+                near = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.6)
+                hint = f" (did you mean '{near[0]}'?)" if near else f" (known keys: {', '.join(schema)})"
+                self.error(line, key, f"unknown key{hint}")
+                continue
+            try:
+                out[key] = (schema[key](value), line)
+            except ValueError as err:
+                self.error(line, key, str(err))
+        return out
+
+
+def _user_names_warning(names: Tuple[str, ...], what: str, sec: _Section, line: int, warn: List[str]) -> None:
+    for name in names:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            warn.append(f"{sec.where(line)}: [{sec.raw.name}] {what}: no user {name!r} on this host")
+
+
+def _defaults(sec: _Section, base: str) -> Defaults:
+    schema: Dict[str, Callable[[str], object]] = {
+        "interval_seconds": _positive_seconds,
+        "start_delay_seconds": _seconds,
+        "stop_timeout_seconds": _positive_seconds,
+        "restart_delay_seconds": _seconds,
+        "restart_delay_max_seconds": _seconds,
+        "healthy_run_seconds": _seconds,
+        "full_scan_seconds": _positive_seconds,
+        "state_file": _path(base),
+    }
+    values = sec.parse(schema)
+    d = Defaults(**{k: v for k, (v, _) in values.items()})
+    if d.restart_delay_max_seconds < d.restart_delay_seconds:
+        line = values.get("restart_delay_max_seconds", (None, sec.raw.line))[1]
+        sec.error(line, "restart_delay_max_seconds", "must be at least restart_delay_seconds")
+    return d
+
+
+def _gpu_section(sec: _Section, warn: List[str]) -> Optional[GpuSection]:
+    schema: Dict[str, Callable[[str], object]] = {
+        "gpus": _gpus,
+        "ignore_programs": _names,
+        "ignore_users": _names,
+        "busy_memory_mib": _mib,
+        "holder_grace_seconds": _seconds,
+    }
+    values = sec.parse(schema)
+    if not sec.has("gpus"):
+        sec.error(sec.raw.line, "gpus", "missing (use ALL or a comma-separated list of GPU indices or UUIDs)")
+    if "gpus" not in values:
+        return None
+    if "ignore_users" in values:
+        _user_names_warning(values["ignore_users"][0], "ignore_users", sec, values["ignore_users"][1], warn)
+    return GpuSection(
+        name=sec.raw.name[len("gpu-") :], line=sec.raw.line, **{k: v for k, (v, _) in values.items()}
+    )
+
+
+def _resolve_user(sec: _Section, values: Dict[str, Tuple[object, int]], warn: List[str]) -> Dict[str, object]:
+    user_value = values.get("user")
+    user = str(user_value[0]) if user_value else "nobody"
+    line = user_value[1] if user_value else sec.raw.line
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        what = "no such user" if user_value else "the default user does not exist here; set user ="
+        sec.error(line, "user", f"{what} {user!r}")
+        return {}
+    out: Dict[str, object] = {
+        "user": user,
+        "user_explicit": bool(user_value),
+        "uid": pw.pw_uid,
+        "home": pw.pw_dir or "/",
+    }
+    gid = pw.pw_gid
+    group_value = values.get("group")
+    if group_value:
+        try:
+            gid = grp.getgrnam(str(group_value[0])).gr_gid
+        except KeyError:
+            sec.error(group_value[1], "group", f"no such group {group_value[0]!r}")
+            return {}
+    try:
+        out["group"] = grp.getgrgid(gid).gr_name
+    except KeyError:
+        out["group"] = str(gid)
+    out["gid"] = gid
+    try:
+        out["groups"] = tuple(sorted(set(os.getgrouplist(user, gid))))
+    except OSError:
+        out["groups"] = (gid,)
+    if pw.pw_uid == 0:
+        warn.append(
+            f"{sec.where(line)}: [{sec.raw.name}] user: runs as root (written explicitly); "
+            "a workload as root can do anything on this machine"
+        )
+    return out
+
+
+def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[ProcessSection]:
+    schema: Dict[str, Callable[[str], object]] = {
+        "cmd": _command,
+        "dir": _path(base),
+        "gpus": _gpus,
+        "log": _path(base),
+        "user": str,
+        "group": str,
+        "env": _env,
+        "per_gpu": _bool,
+        # Seed compatibility: nothing else; unknown keys are errors.
+    }
+    values = sec.parse(schema)
+    if not sec.has("cmd"):
+        sec.error(sec.raw.line, "cmd", "missing (the command to run)")
+    who = _resolve_user(sec, values, warn)
+    if "cmd" not in values or not who:
+        return None
+    fields = {k: v for k, (v, _) in values.items() if k not in ("user", "group")}
+    fields.update(who)
+    fingerprint = tuple(sorted((k, v) for k, v, _ in sec.raw.items))
+    return ProcessSection(
+        name=sec.raw.name[len("process-") :], line=sec.raw.line, fingerprint=fingerprint, **fields
+    )
+
+
+def _tty_section(sec: _Section, warn: List[str]) -> TtySection:
+    schema: Dict[str, Callable[[str], object]] = {
+        "enabled": _bool,
+        "whitelist": _names,
+        "idle_seconds": _seconds,
+        "devices": _globs,
+    }
+    values = sec.parse(schema)
+    if "whitelist" in values:
+        _user_names_warning(values["whitelist"][0], "whitelist", sec, values["whitelist"][1], warn)
+    return TtySection(**{k: v for k, (v, _) in values.items()})
+
+
+_KINDS = ("defaults", "tty", "gpu-NAME", "process-NAME")
+
+
+def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
+    name = raw.name
+    if name in ("defaults", "tty"):
+        return name
+    for prefix in ("gpu-", "process-"):
+        if name.startswith(prefix):
+            suffix = name[len(prefix) :]
+            if not suffix or not _SECTION_NAME_RE.match(suffix):
+                sec.error(
+                    raw.line,
+                    None,
+                    f"bad section name: use [{prefix}NAME] with NAME made of letters, "
+                    "digits, '-', '_', '.' or ':'",
+                )
+                return None
+            return prefix
+    near = difflib.get_close_matches(name.lower(), ["defaults", "tty", "gpu-", "process-"], n=1, cutoff=0.5)
+    hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
+    sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
+    return None
+
+
+def parse(text: str, path: str = "<config>") -> Config:
+    """Parse config text; raise ConfigError listing every problem."""
+    errors: List[str] = []
+    warnings: List[str] = []
+
+    def where(line: int) -> str:
+        return f"{path}:{line}"
+
+    base = os.path.dirname(os.path.abspath(path)) if not path.startswith("<") else os.getcwd()
+    defaults, tty = Defaults(), TtySection()
+    gpu_sections: List[GpuSection] = []
+    processes: List[ProcessSection] = []
+    for raw in _lex(text, where, errors):
+        sec = _Section(raw, where, errors)
+        kind = _check_section_name(raw, sec)
+        if kind == "defaults":
+            defaults = _defaults(sec, base)
+        elif kind == "tty":
+            tty = _tty_section(sec, warnings)
+        elif kind == "gpu-":
+            g = _gpu_section(sec, warnings)
+            if g:
+                gpu_sections.append(g)
+        elif kind == "process-":
+            p = _process_section(sec, base, warnings)
+            if p:
+                processes.append(p)
+    _cross_check(gpu_sections, processes, where, errors, warnings, path)
+    if errors:
+        raise ConfigError(sorted(errors, key=_line_of))
+    return Config(
+        path=path,
+        defaults=defaults,
+        gpu_sections=tuple(gpu_sections),
+        processes=tuple(processes),
+        tty=tty,
+        warnings=tuple(warnings),
+    )
+
+
+def _cross_check(
+    gpu_sections: List[GpuSection],
+    processes: List[ProcessSection],
+    where: Callable[[int], str],
+    errors: List[str],
+    warnings: List[str],
+    path: str,
+) -> None:
+    """Checks that need several sections: overlapping [gpu-*] sections, empty configs."""
+    owner: Dict[object, str] = {}
+    all_section: Optional[GpuSection] = None
+    for g in gpu_sections:
+        if g.gpus.all:
+            if all_section or owner:
+                errors.append(
+                    f"{where(g.line)}: [gpu-{g.name}] gpus: ALL overlaps another [gpu-*] section "
+                    "(each GPU may be named by one section)"
+                )
+            all_section = g
+            continue
+        if all_section:
+            errors.append(
+                f"{where(g.line)}: [gpu-{g.name}] gpus: overlaps [gpu-{all_section.name}] "
+                "which names ALL (each GPU may be named by one section)"
+            )
+        for ref in g.gpus.refs:
+            if ref in owner:
+                errors.append(
+                    f"{where(g.line)}: [gpu-{g.name}] gpus: {ref} is already named by [gpu-{owner[ref]}]"
+                )
+            owner[ref] = g.name
+    if not gpu_sections:
+        warnings.append(f"{path}: no [gpu-*] section: no GPU is watched, so no workload will ever start")
+    elif not processes:
+        warnings.append(f"{path}: no [process-*] section: gpu-mon will only watch")
+
+
+def _line_of(message: str) -> int:
+    match = re.match(r"^.*?:(\d+): ", message)
+    return int(match.group(1)) if match else 0
+
+
+def load(path: str, trusted_uid: Optional[int] = None) -> Config:
+    """Read and parse a config file. With `trusted_uid` (running as root) the file must be root-only."""
+    try:
+        data = safefile.read_trusted(path, trusted_uid, MAX_CONFIG_BYTES)
+    except safefile.UnsafeFile as err:
+        raise ConfigError([str(err)]) from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ConfigError([f"{path}: not a text file (NUL byte at offset {nul})"])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError([f"{path}: not UTF-8 text (bad byte at offset {err.start})"]) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return parse(text, path)
+
+
+def trusted_uid_for_this_process() -> Optional[int]:
+    """0 when running as root (the config must then be root-only), else None (no ownership check)."""
+    return 0 if os.geteuid() == 0 else None

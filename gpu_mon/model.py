@@ -1,0 +1,213 @@
+"""Plain data shared by the observers, the policy and the daemon. No I/O here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process that NVML lists on a GPU (compute or graphics context)."""
+
+    pid: int
+    used_memory_mib: Optional[int]
+    kind: str = "compute"  # "compute" or "graphics"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One look at one GPU. A field that could not be read is None and named in `errors`."""
+
+    index: int
+    uuid: Optional[str]
+    name: Optional[str] = None
+    minor: Optional[int] = None
+    device: Optional[str] = None  # path of the device node (or the simulator's stand-in file)
+    memory_total_mib: Optional[int] = None
+    memory_used_mib: Optional[int] = None
+    utilization_pct: Optional[int] = None
+    # None: the process list could not be read (the GPU then counts as busy).
+    processes: Optional[Tuple[GpuProcess, ...]] = ()
+    errors: Tuple[str, ...] = ()  # "field: what went wrong", one per unreadable field
+
+    @property
+    def label(self) -> str:
+        """Short human name: `GPU 0 (GPU-5a1c...)`."""
+        return f"GPU {self.index} ({self.uuid or 'UUID unknown'})"
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """Everything one look at the GPU backend returned."""
+
+    gpus: Tuple[Gpu, ...]
+    error: Optional[str] = None  # the backend as a whole could not be read (no driver, bad sim file)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process that holds a GPU's device node open (or that NVML lists on a GPU)."""
+
+    pid: int
+    start_ticks: int  # /proc/PID/stat starttime: (pid, start_ticks) names a process without reuse
+    name: str  # process name as `ps -o comm` shows it, extended from argv[0] when comm is cut at 15 chars
+    argv0: str  # basename of argv[0]
+    uid: Optional[int]
+    user: str
+    sid: int
+    gpus: frozenset  # UUIDs
+    ours: bool = False  # in the session (or process tree) of a workload gpu_mon started, or gpu_mon itself
+
+    @property
+    def label(self) -> str:
+        """`alice python3[4242]`."""
+        return f"{self.user} {self.name}[{self.pid}]"
+
+
+@dataclass(frozen=True)
+class Denied:
+    """A process whose open files could not be read: it may hold any GPU."""
+
+    pid: int
+    user: str
+    name: str
+
+    @property
+    def label(self) -> str:
+        """`root process_api[1]`."""
+        return f"{self.user} {self.name}[{self.pid}]"
+
+
+@dataclass(frozen=True)
+class TtyUser:
+    """The owner of a terminal device and how long since it was last touched."""
+
+    device: str
+    user: str
+    uid: int
+    idle_seconds: float
+
+
+@dataclass(frozen=True)
+class Running:
+    """A workload instance that the supervisor has running (or stopping)."""
+
+    key: str
+    pid: int  # the leader process: session and process group id of the workload
+    started_at: float  # monotonic seconds
+    stopping: bool = False
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A workload instance that ended since the last round."""
+
+    key: str
+    started_at: float
+    ended_at: float
+    returncode: int  # exit status, or 128 + signal number
+    stopped_by_us: bool
+    detail: str = ""  # e.g. "command not found: 'miner-run'"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One complete look at the host, as the policy sees it."""
+
+    now: float  # monotonic seconds
+    reading: GpuReading
+    holders: Tuple[Holder, ...] = ()
+    denied: Tuple[Denied, ...] = ()
+    ttys: Tuple[TtyUser, ...] = ()
+    running: Tuple[Running, ...] = ()
+    exited: Tuple[Exited, ...] = ()
+    # NVML processes of every GPU with their owners resolved (pid -> holder-like record), see observe.py
+    nvml_procs: Tuple[Holder, ...] = ()
+    node_errors: Tuple[Tuple[str, str], ...] = ()  # (uuid, why its device node cannot be watched)
+
+    def gpu(self, uuid: str) -> Optional[Gpu]:
+        """The GPU with this UUID in this look, or None."""
+        for gpu in self.reading.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        return None
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One thing to run: a [process-*] section, or one GPU's copy of it when per_gpu = yes."""
+
+    key: str  # "miner", or "miner@GPU-5a1c..." for per_gpu
+    process: str  # section name without the "process-" prefix
+    gpus: Tuple[str, ...]  # UUIDs, in config order
+
+    def label(self, index_of: Optional[dict] = None) -> str:
+        """`miner` or `miner@0` (GPU index when known)."""
+        if "@" not in self.key:
+            return self.key
+        uuid = self.key.split("@", 1)[1]
+        if index_of and uuid in index_of:
+            return f"{self.process}@{index_of[uuid]}"
+        return self.key
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start this instance now."""
+
+    instance: Instance
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop this running instance now."""
+
+    key: str
+    reason: str
+    # GPUs whose busy state caused the stop: the daemon looks at them again before acting
+    gpus: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Busy or free for one GPU in one round, with the reasons."""
+
+    uuid: str
+    busy: bool
+    reasons: Tuple[str, ...] = ()
+    free_since: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Restart backoff of one instance."""
+
+    failures: int = 0  # consecutive quick exits
+    not_before: float = 0.0  # monotonic time before which it may not start again
+    restarts: int = 0
+    last_exit: str = ""
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between rounds."""
+
+    free_since: dict = field(default_factory=dict)  # uuid -> monotonic time it became free
+    first_seen: dict = field(default_factory=dict)  # (pid, start_ticks, uuid) -> monotonic time
+    backoff: dict = field(default_factory=dict)  # instance key -> Backoff
+    paused_by: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `policy.decide` returns."""
+
+    actions: Tuple[object, ...]
+    state: PolicyState
+    verdicts: dict  # uuid -> Verdict
+    paused_by: Tuple[str, ...] = ()
+    next_wake: Optional[float] = None  # monotonic time of the next start delay or backoff expiry
+    notes: Tuple[str, ...] = ()  # log lines for things worth saying that are not actions
+    waiting: dict = field(default_factory=dict)  # instance key -> why it is not running now

@@ -1,0 +1,206 @@
+"""The real GPU backend: NVML through nvidia-ml-py. The only module that imports pynvml.
+
+Initialisation is lazy and retried on every look, so gpu-mon can start before the driver is loaded. A GPU or
+a field that cannot be read becomes None plus a line in `Gpu.errors`; it never raises into the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from types import ModuleType
+from typing import Callable, Dict, List, Optional, Tuple
+
+from gpu_mon.model import Gpu, GpuProcess, GpuReading
+
+_MIB = 1 << 20
+# Newest first: _v3 needs driver >= 510; older drivers export only _v2 or the unversioned symbol.
+_COMPUTE_CALLS = (
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetComputeRunningProcesses_v2",
+    "nvmlDeviceGetComputeRunningProcesses",
+)
+_GRAPHICS_CALLS = (
+    "nvmlDeviceGetGraphicsRunningProcesses_v3",
+    "nvmlDeviceGetGraphicsRunningProcesses_v2",
+    "nvmlDeviceGetGraphicsRunningProcesses",
+)
+# Errors after which the library must be initialised again (driver reloaded, or never initialised).
+_REINIT_ERRORS = (
+    "NVML_ERROR_UNINITIALIZED",
+    "NVML_ERROR_DRIVER_NOT_LOADED",
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
+)
+
+
+class _Unsupported(Exception):
+    """The field is not supported on this GPU: not an error, just absent."""
+
+
+class NvmlBackend:
+    """Reads every GPU through NVML. `last_timings` holds the seconds each call took in the last look."""
+
+    def __init__(self, dev_dir: str = "/dev", module: Optional[ModuleType] = None):
+        self._dev_dir = dev_dir.rstrip("/") or "/"
+        self._nv = module
+        self._ready = False
+        self._chosen: Dict[str, str] = {}  # "compute"/"graphics" -> the process call that works here
+        self.last_timings: Dict[Tuple[str, int], float] = {}
+
+    def _module(self) -> ModuleType:
+        if self._nv is None:
+            import pynvml
+
+            self._nv = pynvml
+        return self._nv
+
+    def _init(self) -> Optional[str]:
+        if self._ready:
+            return None
+        try:
+            nv = self._module()
+        except ImportError:
+            return "NVML: the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as err:
+            return f"NVML: cannot initialise: {err}"
+        except OSError as err:
+            return f"NVML: cannot load the library: {err}"
+        self._ready = True
+        return None
+
+    def _needs_reinit(self, err: Exception) -> bool:
+        nv = self._nv
+        codes = [getattr(nv, name, None) for name in _REINIT_ERRORS]
+        return getattr(err, "value", None) in codes
+
+    def _call(self, index: int, fn: Callable, *args: object) -> object:
+        name = getattr(fn, "__name__", "call")
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        except self._nv.NVMLError as err:
+            if getattr(err, "value", None) == getattr(self._nv, "NVML_ERROR_NOT_SUPPORTED", 3):
+                raise _Unsupported(name) from None
+            raise
+        finally:
+            self.last_timings[(name, index)] = time.perf_counter() - started
+
+    def read(self) -> GpuReading:
+        """One look at every GPU; never raises."""
+        error = self._init()
+        if error:
+            return GpuReading(gpus=(), error=error)
+        nv = self._nv
+        self.last_timings = {}
+        try:
+            count = int(self._call(-1, nv.nvmlDeviceGetCount))
+        except (nv.NVMLError, _Unsupported) as err:
+            self._reset_if_needed(err)
+            return GpuReading(gpus=(), error=f"NVML: cannot count GPUs: {err}")
+        return GpuReading(gpus=tuple(self._read_gpu(i) for i in range(count)))
+
+    def _reset_if_needed(self, err: Exception) -> None:
+        if self._needs_reinit(err):
+            self._ready = False
+            with contextlib.suppress(Exception):
+                self._nv.nvmlShutdown()
+
+    def _field(self, index: int, label: str, errors: List[str], fn: Callable, *args: object) -> object:
+        try:
+            return self._call(index, fn, *args)
+        except _Unsupported:
+            return None
+        except self._nv.NVMLError as err:
+            self._reset_if_needed(err)
+            errors.append(f"{label}: {err}")
+            return None
+
+    def _read_gpu(self, index: int) -> Gpu:
+        nv = self._nv
+        errors: List[str] = []
+        handle = self._field(index, "handle", errors, nv.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            errors = errors or ["handle: not supported"]
+            return Gpu(index=index, uuid=None, processes=None, errors=tuple(errors))
+        uuid = _text(self._field(index, "uuid", errors, nv.nvmlDeviceGetUUID, handle))
+        name = _text(self._field(index, "name", errors, nv.nvmlDeviceGetName, handle))
+        minor = self._field(index, "minor number", errors, nv.nvmlDeviceGetMinorNumber, handle)
+        memory = self._field(index, "memory", errors, nv.nvmlDeviceGetMemoryInfo, handle)
+        util = self._field(index, "utilization", errors, nv.nvmlDeviceGetUtilizationRates, handle)
+        procs = self._processes(index, handle, errors)
+        if uuid is None and not any(e.startswith("uuid:") for e in errors):
+            errors.append("uuid: not supported")
+        return Gpu(
+            index=index,
+            uuid=uuid,
+            name=name,
+            minor=minor if isinstance(minor, int) else None,
+            device=f"{self._dev_dir}/nvidia{minor}" if isinstance(minor, int) else None,
+            memory_total_mib=int(memory.total) // _MIB if memory is not None else None,
+            memory_used_mib=int(memory.used) // _MIB if memory is not None else None,
+            utilization_pct=int(util.gpu) if util is not None else None,
+            processes=procs,
+            errors=tuple(errors),
+        )
+
+    def _processes(self, index: int, handle: object, errors: List[str]) -> Optional[Tuple[GpuProcess, ...]]:
+        out: List[GpuProcess] = []
+        for kind, calls in (("compute", _COMPUTE_CALLS), ("graphics", _GRAPHICS_CALLS)):
+            try:
+                listed = self._list_processes(index, handle, kind, calls)
+            except _Unsupported:
+                continue
+            except self._nv.NVMLError as err:
+                self._reset_if_needed(err)
+                errors.append(f"{kind} processes: {err}")
+                return None
+            for p in listed:
+                used = getattr(p, "usedGpuMemory", None)
+                out.append(
+                    GpuProcess(
+                        pid=int(p.pid),
+                        used_memory_mib=int(used) // _MIB if used is not None else None,
+                        kind=kind,
+                    )
+                )
+        return tuple(out)
+
+    def _list_processes(self, index: int, handle: object, kind: str, calls: Tuple[str, ...]) -> list:
+        """Call the newest process-list function this driver has, remembering which one worked."""
+        nv = self._nv
+        not_found = getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)
+        names = (self._chosen[kind],) if kind in self._chosen else calls
+        last: Optional[Exception] = None
+        for name in names:
+            fn = getattr(nv, name, None)
+            if fn is None:
+                continue
+            try:
+                result = self._call(index, fn, handle)
+            except nv.NVMLError as err:
+                if getattr(err, "value", None) == not_found:
+                    last = err
+                    continue
+                raise
+            self._chosen[kind] = name
+            return list(result or [])
+        if last is not None:
+            raise last
+        raise _Unsupported(kind)
+
+    def close(self) -> None:
+        """Shut NVML down if it was initialised."""
+        if self._ready:
+            self._ready = False
+            with contextlib.suppress(Exception):
+                self._nv.nvmlShutdown()
+
+
+def _text(value: object) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)

@@ -1,0 +1,137 @@
+"""One look at the host: GPUs from the backend, holders from /proc, terminal users. The thin adapter in
+front of the pure policy: it touches the host, the policy only sees the Snapshot it returns."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Dict, Iterable, Optional, Protocol, Set, Tuple
+
+from gpu_mon import holders, procfs, sessions
+from gpu_mon.model import GpuReading, Holder, Snapshot, TtyUser
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """NvmlBackend or SimBackend."""
+
+    def read(self) -> GpuReading: ...
+
+    def close(self) -> None: ...
+
+
+class Observer:
+    """Takes looks at the host. Remembers the last GPU reading and the holder scan between looks."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        proc: str = procfs.PROC,
+        own_pid: Optional[int] = None,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.backend = backend
+        self.proc = proc
+        self.own_pid = os.getpid() if own_pid is None else own_pid
+        self.scanner = holders.HolderScanner(proc, skip_pids=(self.own_pid,))
+        self.wall = wall
+        self.reading = GpuReading(gpus=(), error="not read yet")
+        self.node_errors: Dict[str, str] = {}
+        self.holders: Tuple[Holder, ...] = ()
+        self.denied_pids: Tuple[int, ...] = ()
+        self._denied_logged: Set[int] = set()
+        self._starts: Dict[int, int] = {}
+        self._ancestors: Set[int] = set()
+
+    def read_gpus(self) -> GpuReading:
+        """Read the backend and point the holder scan at the current device nodes."""
+        self.reading = self.backend.read()
+        targets, self.node_errors = holders.device_targets(self.reading.gpus)
+        self.scanner.set_targets(targets)
+        return self.reading
+
+    def device_paths(self) -> Tuple[str, ...]:
+        """Device nodes of every readable GPU (for inotify)."""
+        return tuple(g.device for g in self.reading.gpus if g.device and g.uuid not in self.node_errors)
+
+    def scan(self, mode: str, sessions_of_ours: Iterable[int] = (), pids: Iterable[int] = ()) -> bool:
+        """Scan holders: mode 'full', 'changed' (incremental) or 'pids'. Return whether anything changed."""
+        if mode == "full":
+            result = self.scanner.full()
+        elif mode == "pids":
+            result = self.scanner.full(pids=[str(p) for p in pids])
+        else:
+            result = self.scanner.changed()
+        before = {(h.pid, h.start_ticks, h.gpus) for h in self.holders}
+        ours = set(sessions_of_ours)
+        found = []
+        reused = []
+        for pid, gpus in sorted(result.held.items()):
+            h = holders.describe(pid, gpus, self.proc)
+            if h is None:
+                continue
+            if pid not in result.rescanned and self._starts.get(pid, h.start_ticks) != h.start_ticks:
+                reused.append(pid)  # the pid now names another process: read it again next time
+                continue
+            found.append(self._classify(h, ours))
+        if reused:
+            self.scanner.forget(reused)
+        self._starts = {h.pid: h.start_ticks for h in found}
+        self.holders = tuple(found)
+        if result.full or not self._ancestors:
+            self._ancestors = set(procfs.ancestors(self.own_pid, self.proc))
+        # Our own ancestors (systemd, the admin's shell, a container's init) supervise gpu-mon; they are not
+        # GPU users, and some (a sandbox's init with more capabilities than ours) even root cannot inspect.
+        denied = tuple(p for p in result.denied if p not in self._ancestors)
+        self.denied_pids = denied
+        new_denied = set(denied) - self._denied_logged
+        if new_denied:
+            log.warning(
+                "cannot read the open files of %d process(es) (e.g. pid %d): GPUs count as busy while they "
+                "run, unless a [gpu-*] section ignores them (ignore_programs, ignore_users)%s",
+                len(new_denied),
+                min(new_denied),
+                "" if os.geteuid() == 0 else "; run gpu-mon as root to see every process",
+            )
+            self._denied_logged |= new_denied
+        return before != {(h.pid, h.start_ticks, h.gpus) for h in self.holders}
+
+    def is_ours(self, pid: int, sid: int, ours: Set[int]) -> bool:
+        """In the session of one of our workloads, or a descendant of gpu_mon (which covers escapees)."""
+        if pid == self.own_pid or sid in ours or pid in ours:
+            return True
+        return any(a == self.own_pid or a in ours for a in procfs.ancestors(pid, self.proc))
+
+    def _classify(self, h: Holder, ours: Set[int]) -> Holder:
+        if self.is_ours(h.pid, h.sid, ours):
+            return Holder(**{**h.__dict__, "ours": True})
+        return h
+
+    def nvml_processes(self, ours: Set[int]) -> Tuple[Holder, ...]:
+        """Owners of the processes NVML lists (pid namespaces aside, these are host pids)."""
+        out = []
+        for gpu in self.reading.gpus:
+            for p in gpu.processes or ():
+                h = holders.describe(p.pid, frozenset([gpu.uuid] if gpu.uuid else []), self.proc)
+                if h is not None:
+                    out.append(self._classify(h, ours))
+        return tuple(out)
+
+    def ttys(self, patterns: Iterable[str]) -> Tuple[TtyUser, ...]:
+        """Terminal users now."""
+        return sessions.scan_ttys(patterns, self.wall())
+
+    def snapshot(self, now: float, ours: Iterable[int], tty_patterns: Optional[Iterable[str]]) -> Snapshot:
+        """The Snapshot of what was last read and scanned (the supervisor's parts are added by the daemon)."""
+        ours_set = set(ours)
+        return Snapshot(
+            now=now,
+            reading=self.reading,
+            holders=self.holders,
+            denied=holders.describe_denied(self.denied_pids, self.proc),
+            ttys=self.ttys(tty_patterns) if tty_patterns is not None else (),
+            nvml_procs=self.nvml_processes(ours_set),
+            node_errors=tuple(sorted(self.node_errors.items())),
+        )

@@ -1,0 +1,153 @@
+"""Small, fast readers of /proc/PID files. Every reader returns None for a process that has vanished."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, Optional, Tuple
+
+PROC = "/proc"
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/PID/stat that gpu_mon uses."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    sid: int
+    start_ticks: int
+
+
+def read_stat(pid: int, proc: str = PROC) -> Optional[ProcStat]:
+    """Parse /proc/PID/stat; the name may hold spaces, parentheses or newlines, so split at the last ')'."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    left, right = data.find(b"("), data.rfind(b")")
+    if left < 0 or right < left:
+        return None
+    fields = data[right + 2 :].split()
+    try:
+        return ProcStat(
+            pid=pid,
+            comm=data[left + 1 : right].decode("utf-8", "backslashreplace"),
+            state=fields[0].decode("ascii", "replace"),
+            ppid=int(fields[1]),
+            pgrp=int(fields[2]),
+            sid=int(fields[3]),
+            start_ticks=int(fields[19]),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def read_argv0(pid: int, proc: str = PROC) -> str:
+    """Basename of argv[0], or '' (kernel threads, vanished processes, unreadable)."""
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            data = f.read(4096)
+    except OSError:
+        return ""
+    argv0 = data.split(b"\0", 1)[0].decode("utf-8", "backslashreplace")
+    return os.path.basename(argv0)
+
+
+def read_uid(pid: int, proc: str = PROC) -> Optional[int]:
+    """Owner of /proc/PID: the process's effective uid (for a dumpable process)."""
+    try:
+        return os.stat(f"{proc}/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def list_pids(proc: str = PROC) -> Iterator[str]:
+    """The pid directories of /proc, as strings."""
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return iter(())
+    return (n for n in names if n.isdigit())
+
+
+def display_name(comm: str, argv0: str) -> str:
+    """comm, or argv[0]'s basename when the kernel cut comm at 15 characters (as `ps` and psutil do)."""
+    if len(comm) >= 15 and argv0.startswith(comm):
+        return argv0
+    return comm
+
+
+def sanitize(text: str, limit: int = 200) -> str:
+    """Make untrusted text (process names, workload output) safe for one log line."""
+    out = []
+    for ch in text[:limit]:
+        code = ord(ch)
+        if code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0 or ch in "\u2028\u2029":
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    if len(text) > limit:
+        out.append("...")
+    return "".join(out)
+
+
+_USERS: Dict[int, Tuple[str, float]] = {}
+_USER_TTL_SECONDS = 300.0
+
+
+def user_name(uid: Optional[int]) -> str:
+    """Login name for a uid (cached for a few minutes), the number when it has none, '?' when unknown."""
+    if uid is None:
+        return "?"
+    now = time.monotonic()
+    hit = _USERS.get(uid)
+    if hit and now - hit[1] < _USER_TTL_SECONDS:
+        return hit[0]
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    _USERS[uid] = (name, now)
+    return name
+
+
+def ancestors(pid: int, proc: str = PROC, limit: int = 64) -> Iterator[int]:
+    """Parent, grandparent, ... of a process, up to init (bounded, in case of a loop in a fake /proc)."""
+    seen = 0
+    while seen < limit:
+        st = read_stat(pid, proc)
+        if st is None or st.ppid <= 0:
+            return
+        yield st.ppid
+        if st.ppid == 1:
+            return
+        pid = st.ppid
+        seen += 1
+
+
+def descendants(root: int, proc: str = PROC) -> Dict[int, int]:
+    """Every live descendant of `root` as {pid: start_ticks}, by walking ppid links of all processes."""
+    children: Dict[int, list] = {}
+    starts: Dict[int, int] = {}
+    for name in list_pids(proc):
+        st = read_stat(int(name), proc)
+        if st is None:
+            continue
+        children.setdefault(st.ppid, []).append(st.pid)
+        starts[st.pid] = st.start_ticks
+    out: Dict[int, int] = {}
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        if pid in out:
+            continue
+        out[pid] = starts[pid]
+        todo.extend(children.get(pid, ()))
+    return out

@@ -1,0 +1,244 @@
+"""What `gpu-mon status` shows, as a JSON-able dict (also the daemon's state file) and as text."""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterable, List, Optional
+
+from gpu_mon import __version__
+from gpu_mon.config import Config
+from gpu_mon.model import Decision, Holder, Snapshot
+from gpu_mon.policy import Plan, ignored
+from gpu_mon.procfs import sanitize
+from gpu_mon.sessions import active
+
+
+def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
+    out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": h.ours, "ignored": ignored and not h.ours}
+    out.update(extra or {})
+    return out
+
+
+def build(
+    config: Optional[Config],
+    plan: Plan,
+    snap: Snapshot,
+    decision: Decision,
+    *,
+    workloads: Iterable[dict] = (),
+    decisions: Iterable[dict] = (),
+    daemon: Optional[dict] = None,
+    source: str = "",
+) -> dict:
+    """The whole status document."""
+    running = {w["key"]: w for w in workloads}
+    by_gpu: Dict[str, str] = {}
+    for key, w in running.items():
+        for uuid in w["gpus"]:
+            by_gpu[uuid] = w.get("label", key)
+    gpus: List[dict] = []
+    for gpu in snap.reading.gpus:
+        uuid = gpu.uuid or ""
+        rules = plan.rules.get(uuid)
+        verdict = decision.verdicts.get(uuid)
+        state = "busy" if verdict is None or verdict.busy else "free"
+        if uuid in by_gpu:
+            state = f"running {by_gpu[uuid]}"
+        nvml = {h.pid: h for h in snap.nvml_procs if uuid in h.gpus}
+        gpus.append(
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "device": gpu.device,
+                "memory_used_mib": gpu.memory_used_mib,
+                "memory_total_mib": gpu.memory_total_mib,
+                "utilization_pct": gpu.utilization_pct,
+                "errors": list(gpu.errors),
+                "watched": rules is not None,
+                "section": f"gpu-{rules.name}" if rules else None,
+                "state": state,
+                "busy": verdict.busy if verdict else True,
+                "reasons": list(verdict.reasons) if verdict else ["not evaluated"],
+                "free_for_seconds": round(snap.now - verdict.free_since, 1)
+                if verdict and verdict.free_since is not None
+                else None,
+                "holders": [
+                    _holder(h, bool(rules and ignored(h, rules))) for h in snap.holders if uuid in h.gpus
+                ],
+                "nvml_processes": [
+                    _holder(
+                        nvml[p.pid],
+                        bool(rules and ignored(nvml[p.pid], rules)),
+                        {"used_memory_mib": p.used_memory_mib, "kind": p.kind},
+                    )
+                    if p.pid in nvml
+                    else {
+                        "pid": p.pid,
+                        "user": "?",
+                        "name": "?",
+                        "ours": False,
+                        "ignored": False,
+                        "used_memory_mib": p.used_memory_mib,
+                        "kind": p.kind,
+                    }
+                    for p in gpu.processes or ()
+                ],
+            }
+        )
+    tty_cfg = config.tty if config else None
+    hot = (
+        set(active(snap.ttys, tty_cfg.idle_seconds, tty_cfg.whitelist))
+        if tty_cfg and tty_cfg.enabled
+        else set()
+    )
+    terminals = [
+        {
+            "device": t.device,
+            "user": t.user,
+            "idle_seconds": round(t.idle_seconds, 1),
+            "pauses_work": t in hot,
+        }
+        for t in snap.ttys
+    ]
+    instances = []
+    for inst in plan.instances:
+        w = running.get(inst.key)
+        b = decision.state.backoff.get(inst.key)
+        entry = {
+            "key": inst.key,
+            "process": inst.process,
+            "label": inst.label(plan.index_of),
+            "gpus": list(inst.gpus),
+            "restarts": b.restarts if b else 0,
+            "last_exit": b.last_exit if b else "",
+        }
+        if w:
+            entry.update(
+                state="stopping" if w.get("stopping") else "running",
+                pid=w.get("pid"),
+                command_pid=w.get("command_pid"),
+                uptime_seconds=round(snap.now - w["started_at"], 1),
+                why=w.get("stop_reason", ""),
+            )
+        else:
+            why = decision.waiting.get(inst.key, "starting")
+            entry.update(state=why.split(":", 1)[0].split(" ", 1)[0] if why else "waiting", why=why)
+        instances.append(entry)
+    return {
+        "version": 1,
+        "gpu_mon": __version__,
+        "source": source,
+        "daemon": daemon,
+        "config": config.path if config else None,
+        "updated_wall": time.time(),
+        "error": snap.reading.error,
+        "problems": list(plan.problems),
+        "denied": [{"pid": d.pid, "user": d.user, "name": d.name} for d in snap.denied],
+        "gpus": gpus,
+        "terminals": terminals,
+        "paused_by": list(decision.paused_by),
+        "workloads": instances,
+        "decisions": list(decisions),
+    }
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    if seconds < 172800:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{seconds // 86400} d"
+
+
+def _who(h: dict) -> str:
+    tag = " (ours)" if h.get("ours") else " (ignored)" if h.get("ignored") else ""
+    mem = f" {h['used_memory_mib']} MiB" if h.get("used_memory_mib") is not None else ""
+    return f"{sanitize(str(h['user']))} {sanitize(str(h['name']))}[{h['pid']}]{mem}{tag}"
+
+
+def render(doc: dict) -> str:
+    """The status document as text for a terminal."""
+    lines: List[str] = []
+    d = doc.get("daemon")
+    if d:
+        up = _duration(time.time() - d["started_wall"]) if d.get("started_wall") else "?"
+        lines.append(
+            f"gpu-mon {doc.get('gpu_mon')}: daemon running (pid {d['pid']}, up {up}); "
+            f"config {doc.get('config')}; updated {_duration(time.time() - doc['updated_wall'])} ago"
+        )
+    else:
+        lines.append(
+            f"gpu-mon {doc.get('gpu_mon')}: no daemon running; one fresh look at the host"
+            f"{' (' + doc['source'] + ')' if doc.get('source') else ''}; config {doc.get('config')}"
+        )
+    if doc.get("error"):
+        lines.append(f"  GPUs cannot be read: {doc['error']}")
+    for p in doc.get("problems", []):
+        lines.append(f"  config problem: {p}")
+    for d_ in doc.get("denied", [])[:3]:
+        lines.append(
+            f"  cannot see the open files of {sanitize(d_['user'])} {sanitize(d_['name'])}[{d_['pid']}]"
+        )
+    if len(doc.get("denied", [])) > 3:
+        lines.append(f"  ... and {len(doc['denied']) - 3} more processes (run as root to see them all)")
+    lines.append("")
+    for g in doc.get("gpus", []):
+        mem = (
+            f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB"
+            if g["memory_total_mib"] is not None
+            else "? MiB"
+        )
+        util = f"{g['utilization_pct']}%" if g["utilization_pct"] is not None else "?%"
+        state = g["state"]
+        if state == "free" and g.get("free_for_seconds") is not None:
+            state = f"free for {_duration(g['free_for_seconds'])}"
+        elif state == "busy" and g["reasons"]:
+            state = f"busy: {g['reasons'][0]}"
+        watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
+        lines.append(f"GPU {g['index']}  {g['uuid']}  {g['name']}  {mem}  {util}  {watched}")
+        lines.append(f"    {state}")
+        for reason in g["reasons"][1:]:
+            lines.append(f"    also: {reason}")
+        if g["holders"]:
+            lines.append("    device holders: " + ", ".join(_who(h) for h in g["holders"]))
+        if g["nvml_processes"]:
+            lines.append("    NVML processes: " + ", ".join(_who(h) for h in g["nvml_processes"]))
+    if not doc.get("gpus"):
+        lines.append("No GPUs found.")
+    terms = doc.get("terminals", [])
+    recent = [t for t in terms if t["idle_seconds"] < 86400 or t["pauses_work"]]
+    if terms:
+        lines.append("")
+        lines.append(f"Terminals ({len(terms) - len(recent)} more idle for over a day):")
+        for t in sorted(recent, key=lambda t: t["idle_seconds"])[:20]:
+            mark = "  <- pauses work" if t["pauses_work"] else ""
+            lines.append(
+                f"    {t['device']:<12} {sanitize(t['user']):<12} idle {_duration(t['idle_seconds'])}{mark}"
+            )
+    if doc.get("paused_by"):
+        lines.append(f"All work paused for terminal users: {'; '.join(doc['paused_by'])}")
+    if doc.get("workloads"):
+        lines.append("")
+        lines.append("Workloads:")
+        for w in doc["workloads"]:
+            if w["state"] in ("running", "stopping"):
+                pid = w.get("command_pid") or w.get("pid")
+                what = f"{w['state']}  pid {pid}, up {_duration(w['uptime_seconds'])}"
+            else:
+                what = w.get("why") or w["state"]
+            extra = f"  restarts {w['restarts']}" if w["restarts"] else ""
+            last = f"  last: {w['last_exit']}" if w.get("last_exit") else ""
+            lines.append(f"    {w['label']:<16} {what}{extra}{last}")
+    if doc.get("decisions"):
+        lines.append("")
+        lines.append("Recent decisions:")
+        for entry in doc["decisions"][-10:]:
+            stamp = time.strftime("%H:%M:%S", time.localtime(entry["wall"]))
+            lines.append(f"    {stamp}  {entry['text']}")
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""Opening files without following planted symlinks, and the root-owned-config check.
+
+Every path is walked one component at a time with O_NOFOLLOW from `/`, so a symlink (or a directory swapped
+for one) cannot redirect the open between a check and the use; the checks are made on the opened descriptors.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Optional
+
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafeFile(Exception):
+    """A file that must not be used; str() is a one-line reason naming the path."""
+
+
+def _why(err: OSError) -> str:
+    if err.errno == errno.ELOOP:
+        return "is a symlink (refused: it could be redirected)"
+    if err.errno == errno.ENOTDIR:
+        return "a path component is not a directory (or is a symlink)"
+    return err.strerror or str(err)
+
+
+def _check_dir(fd: int, path: str, trusted_uid: Optional[int]) -> None:
+    if trusted_uid is None:
+        return
+    st = os.fstat(fd)
+    if st.st_uid not in (0, trusted_uid):
+        raise UnsafeFile(f"{path}: directory is owned by uid {st.st_uid}, not root (refused)")
+    # A sticky directory (like /tmp) lets nobody but root rename or remove a root-owned file in it.
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeFile(f"{path}: directory is writable by group or others (refused)")
+
+
+def open_parent(path: str, trusted_uid: Optional[int] = None) -> tuple:
+    """Open the directory of `path` component by component; return (dir_fd, final name).
+
+    With `trusted_uid`, every directory must be owned by root (or that uid) and not group/other writable.
+    Symlinks in the directory part are resolved once up front (e.g. /var/run -> /run); the walk then
+    refuses any component that has become a symlink since.
+    """
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    if not name:
+        raise UnsafeFile(f"{path}: not a file name")
+    real_parent = os.path.realpath(parent)
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        _check_dir(fd, "/", trusted_uid)
+        walked = ""
+        for comp in real_parent.split("/"):
+            if not comp:
+                continue
+            walked += "/" + comp
+            try:
+                nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+            except OSError as err:
+                raise UnsafeFile(f"{walked}: {_why(err)}") from None
+            os.close(fd)
+            fd = nfd
+            _check_dir(fd, walked, trusted_uid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
+
+
+def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes:
+    """Read a whole regular file; with `trusted_uid`, refuse it unless only root can change it."""
+    dir_fd, name = open_parent(path, trusted_uid)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as err:
+            raise UnsafeFile(f"{path}: {_why(err)}") from None
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{path}: not a regular file")
+        if trusted_uid is not None:
+            if st.st_uid not in (0, trusted_uid):
+                raise UnsafeFile(
+                    f"{path}: owned by uid {st.st_uid}, not root (refused: it names commands "
+                    "that root will run)"
+                )
+            if st.st_mode & 0o022:
+                raise UnsafeFile(
+                    f"{path}: writable by group or others (refused: it names commands that "
+                    f"root will run; chmod go-w {path})"
+                )
+        if st.st_size > max_bytes:
+            raise UnsafeFile(f"{path}: too large ({st.st_size} bytes; at most {max_bytes})")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if sum(len(c) for c in chunks) > max_bytes:
+                raise UnsafeFile(f"{path}: too large (at most {max_bytes} bytes)")
+        return b"".join(chunks)
+    except OSError as err:
+        raise UnsafeFile(f"{path}: {_why(err)}") from None
+    finally:
+        os.close(fd)
+
+
+def open_append(path: str, mode: int = 0o640) -> int:
+    """Open (creating) a log file for appending without following symlinks anywhere in its path.
+
+    Returns a blocking O_WRONLY|O_APPEND descriptor. Refuses FIFOs, sockets and directories; a character
+    device is accepted (log = /dev/null).
+    """
+    dir_fd, name = open_parent(path)
+    try:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, mode, dir_fd=dir_fd)
+        except OSError as err:
+            raise UnsafeFile(f"{path}: {_why(err)}") from None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+        os.close(fd)
+        raise UnsafeFile(f"{path}: not a regular file or character device")
+    os.set_blocking(fd, True)
+    return fd

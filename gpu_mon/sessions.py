@@ -1,0 +1,52 @@
+"""Terminal users: the owner of each terminal device and how long since it was last read or written.
+
+The kernel stamps a tty's atime when it is read or written (at most every few seconds, so that keystroke
+timing does not leak), so now - atime is how long the terminal has been idle. Devices that vanish while we
+look are skipped. /dev/tty, /dev/console and /dev/ptmx (major 5) are not anybody's terminal.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import stat
+from typing import Iterable, List, Tuple
+
+from gpu_mon import procfs
+from gpu_mon.model import TtyUser
+
+_TTYAUX_MAJOR = 5  # /dev/tty, /dev/console, /dev/ptmx
+
+
+def scan_ttys(patterns: Iterable[str], now_wall: float) -> Tuple[TtyUser, ...]:
+    """Every terminal matched by the globs with its owner and idle seconds (never negative)."""
+    seen = set()
+    out: List[TtyUser] = []
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            if path in seen:
+                continue
+            seen.add(path)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # logged out while we looked
+            if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == _TTYAUX_MAJOR:
+                continue
+            if not (stat.S_ISCHR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                continue
+            out.append(
+                TtyUser(
+                    device=path,
+                    user=procfs.user_name(st.st_uid),
+                    uid=st.st_uid,
+                    idle_seconds=max(0.0, now_wall - st.st_atime),
+                )
+            )
+    return tuple(out)
+
+
+def active(ttys: Iterable[TtyUser], idle_seconds: float, whitelist: Iterable[str]) -> Tuple[TtyUser, ...]:
+    """Terminals touched within `idle_seconds` by users not on the whitelist."""
+    allowed = set(whitelist)
+    return tuple(t for t in ttys if t.idle_seconds < idle_seconds and t.user not in allowed)

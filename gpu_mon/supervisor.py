@@ -1,0 +1,408 @@
+"""Workload processes: spawn (through a leader, see leader.py), stop (TERM, then KILL, by process group),
+reap, relay output. Everything here is driven by the daemon's event loop; nothing blocks.
+
+Signals: the leader is our direct child and we reap it only after it has exited, so its pid (= the
+workload's process group id) cannot be reused while we may still signal the group: `killpg(leader_pid)` is
+as safe as a pidfd. Single processes (the leader, orphans) are signalled through pidfds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pwd
+import selectors
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from gpu_mon import procfs, safefile
+from gpu_mon.config import ProcessSection
+from gpu_mon.model import Exited, Instance, Running
+
+log = logging.getLogger("gpu_mon")
+
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LEADER_CODE = "import sys; sys.path.insert(0, {!r}); import gpu_mon.leader as m; sys.exit(m.main())"
+_MAX_LINE = 4096
+_READ_BUDGET = 65536  # bytes of workload output relayed per wake, so a chatty workload cannot stall the loop
+_ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_USER_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class StartError(Exception):
+    """A workload could not be started; str() is one line."""
+
+
+@dataclass
+class Workload:
+    """One running instance: its leader process and what we know of it."""
+
+    instance: Instance
+    label: str
+    popen: subprocess.Popen
+    pidfd: Optional[int]
+    status_fd: Optional[int]
+    out_fd: Optional[int]
+    started_at: float
+    command_pid: Optional[int] = None
+    stopping: bool = False
+    stop_reason: str = ""
+    kill_at: Optional[float] = None
+    killed: bool = False
+    detail: str = ""
+    out_buf: bytes = b""
+    status_buf: bytes = b""
+
+    @property
+    def pid(self) -> int:
+        """The leader's pid: also the workload's session and process group id."""
+        return self.popen.pid
+
+
+def workload_env(section: ProcessSection, uuids: Tuple[str, ...]) -> Dict[str, str]:
+    """A clean environment: the target user's basics, `env =`, and the GPUs by UUID. Nothing of ours."""
+    try:
+        shell = pwd.getpwuid(section.uid).pw_shell or "/bin/sh"
+    except KeyError:
+        shell = "/bin/sh"
+    env = {
+        "PATH": _ROOT_PATH if section.uid == 0 else _USER_PATH,
+        "HOME": section.home,
+        "USER": section.user,
+        "LOGNAME": section.user,
+        "SHELL": shell,
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "GPU_MON_PROCESS": section.name,
+    }
+    env.update(dict(section.env))
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+class Supervisor:
+    """Owns every workload the daemon started."""
+
+    def __init__(self, selector: selectors.BaseSelector, stop_timeout: float):
+        self.selector = selector
+        self.stop_timeout = stop_timeout
+        self.workloads: Dict[str, Workload] = {}
+        self.exits: List[Exited] = []
+        self.own_pid = os.getpid()
+
+    # ------------------------------------------------------------------ starting
+
+    def start(self, instance: Instance, section: ProcessSection, label: str, now: float) -> Workload:
+        """Spawn the instance's leader; raise StartError with one line if that is impossible."""
+        switch_user = os.geteuid() == 0
+        if not switch_user and section.uid != os.geteuid():
+            if section.user_explicit:
+                raise StartError(f"cannot run as {section.user}: gpu-mon is not running as root")
+            section = _as_current_user(section)
+        out_fd: Optional[int] = None
+        if section.log:
+            try:
+                write_fd = safefile.open_append(section.log)
+            except safefile.UnsafeFile as err:
+                raise StartError(f"log file {err}") from None
+        else:
+            out_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+            os.set_blocking(out_fd, False)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(status_r, False)
+        spec = {
+            "argv": list(section.cmd),
+            "dir": section.dir,
+            "env": workload_env(section, instance.gpus),
+            "uid": section.uid,
+            "gid": section.gid,
+            "groups": list(section.groups),
+            "switch_user": switch_user,
+            "status_fd": status_w,
+            "daemon_pid": self.own_pid,
+            "stop_timeout_seconds": self.stop_timeout,
+        }
+        try:
+            popen = subprocess.Popen(
+                [f"gpu-mon-leader[{label}]", "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT)],
+                executable=sys.executable,
+                stdin=subprocess.PIPE,
+                stdout=write_fd,
+                stderr=write_fd,
+                pass_fds=(status_w,),
+                start_new_session=True,
+                close_fds=True,
+                env={"PATH": _ROOT_PATH, "LANG": "C.UTF-8"},
+            )
+        except OSError as err:
+            for fd in (out_fd, status_r):
+                if fd is not None:
+                    os.close(fd)
+            raise StartError(f"cannot start the leader process: {err}") from None
+        finally:
+            os.close(write_fd)
+            os.close(status_w)
+        try:
+            assert popen.stdin is not None
+            popen.stdin.write(json.dumps(spec).encode("utf-8"))
+            popen.stdin.close()
+        except OSError:
+            pass  # it died at once; its exit is reported through the pidfd like any other
+        pidfd = os.pidfd_open(popen.pid)
+        w = Workload(
+            instance=instance,
+            label=label,
+            popen=popen,
+            pidfd=pidfd,
+            status_fd=status_r,
+            out_fd=out_fd,
+            started_at=now,
+        )
+        self.workloads[instance.key] = w
+        self.selector.register(pidfd, selectors.EVENT_READ, ("exit", instance.key))
+        self.selector.register(status_r, selectors.EVENT_READ, ("status", instance.key))
+        if out_fd is not None:
+            self.selector.register(out_fd, selectors.EVENT_READ, ("output", instance.key))
+        return w
+
+    # ------------------------------------------------------------------ stopping
+
+    def stop(self, key: str, reason: str, now: float) -> None:
+        """SIGTERM to the whole process group now; SIGKILL after the stop timeout (see `tick`)."""
+        w = self.workloads.get(key)
+        if w is None or w.stopping:
+            return
+        w.stopping, w.stop_reason = True, reason
+        w.kill_at = now + self.stop_timeout
+        _killpg(w.pid, signal.SIGTERM)
+
+    def stop_all(self, reason: str, now: float) -> None:
+        """Stop every workload."""
+        for key in list(self.workloads):
+            self.stop(key, reason, now)
+
+    def tick(self, now: float) -> Optional[float]:
+        """Escalate overdue stops to SIGKILL; return when to call again."""
+        soonest: Optional[float] = None
+        for w in self.workloads.values():
+            if w.kill_at is None:
+                continue
+            if now >= w.kill_at:
+                if not w.killed:
+                    log.warning(
+                        "%s[%d] still running %.0f s after SIGTERM; sending SIGKILL to its process group",
+                        w.label,
+                        w.pid,
+                        self.stop_timeout,
+                    )
+                w.killed = True
+                _killpg(w.pid, signal.SIGKILL)
+                w.kill_at = now + 1.0  # and again each second until the leader is gone
+            soonest = w.kill_at if soonest is None else min(soonest, w.kill_at)
+        return soonest
+
+    # ------------------------------------------------------------------ events
+
+    def on_exit(self, key: str, now: float) -> Optional[Exited]:
+        """The leader's pidfd is readable: it exited. Take its group down (belt and braces) and reap it."""
+        w = self.workloads.pop(key, None)
+        if w is None:
+            return None
+        self.on_status(w)
+        _killpg(w.pid, signal.SIGKILL)  # a leader killed by SIGKILL leaves its group behind
+        code = w.popen.wait()
+        self.on_output(w, final=True)
+        for name in ("pidfd", "status_fd", "out_fd"):
+            self._close_fd(w, name)
+        returncode = 128 - code if code < 0 else code
+        ex = Exited(
+            key=key,
+            started_at=w.started_at,
+            ended_at=now,
+            returncode=returncode,
+            stopped_by_us=w.stopping,
+            detail=w.detail,
+        )
+        self.exits.append(ex)
+        if code < 0 and -code == signal.SIGKILL:
+            self.sweep_orphans()
+        return ex
+
+    def on_status(self, w: Workload) -> None:
+        """Read the leader's status lines (`started PID`, `error ...`)."""
+        if w.status_fd is None:
+            return
+        data, eof = _read_some(w.status_fd, 4096)
+        w.status_buf += data
+        if eof:
+            self._close_fd(w, "status_fd")
+        while b"\n" in w.status_buf:
+            line, w.status_buf = w.status_buf.split(b"\n", 1)
+            text = line.decode("utf-8", "backslashreplace")
+            kind, _, rest = text.partition(" ")
+            if kind == "started" and rest.isdigit():
+                w.command_pid = int(rest)
+            elif kind == "error":
+                w.detail = procfs.sanitize(rest)
+                log.error("%s: %s", w.label, w.detail)
+
+    def on_output(self, w: Workload, final: bool = False) -> None:
+        """Relay the workload's output to our log, one tagged, sanitized line per line."""
+        if w.out_fd is None:
+            return
+        data, eof = _read_some(w.out_fd, _READ_BUDGET)
+        w.out_buf += data
+        if eof:
+            final = True
+            self._close_fd(w, "out_fd")
+        lines = w.out_buf.split(b"\n")
+        w.out_buf = lines.pop()
+        if len(w.out_buf) > _MAX_LINE or (final and w.out_buf):
+            lines.append(w.out_buf)
+            w.out_buf = b""
+        pid = w.command_pid or w.pid
+        for raw in lines:
+            text = raw.decode("utf-8", "backslashreplace").rstrip("\r")
+            log.info("%s[%d]: %s", w.label, pid, procfs.sanitize(text, limit=_MAX_LINE))
+
+    def _close_fd(self, w: Workload, name: str) -> None:
+        fd = getattr(w, name)
+        if fd is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(fd)
+        os.close(fd)
+        setattr(w, name, None)
+
+    def dispatch(self, kind: str, key: str, now: float) -> Optional[Exited]:
+        """Handle a ready fd registered by this supervisor."""
+        w = self.workloads.get(key)
+        if w is None:
+            return None
+        if kind == "exit":
+            return self.on_exit(key, now)
+        if kind == "status":
+            self.on_status(w)
+        elif kind == "output":
+            self.on_output(w)
+        return None
+
+    def sweep_orphans(self) -> int:
+        """Kill and reap children that are not leaders: remnants of a workload whose leader was killed.
+
+        We are a child subreaper (daemon.py), so they were reparented to us; only our own descendants can be.
+        """
+        leaders = {w.pid for w in self.workloads.values()}
+        count = 0
+        for pid in _children(self.own_pid):
+            if pid in leaders:
+                continue
+            count += 1
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        self.reap_orphans()
+        return count
+
+    def reap_orphans(self) -> None:
+        """Reap exited children that are not leaders (never a leader: those are reaped in on_exit)."""
+        leaders = {w.pid for w in self.workloads.values()}
+        for pid in _children(self.own_pid):
+            if pid in leaders:
+                continue
+            st = procfs.read_stat(pid)
+            if st is not None and st.state == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+
+    # ------------------------------------------------------------------ views
+
+    def running(self) -> Tuple[Running, ...]:
+        """What the policy needs to know about live workloads."""
+        return tuple(
+            Running(key=k, pid=w.pid, started_at=w.started_at, stopping=w.stopping)
+            for k, w in self.workloads.items()
+        )
+
+    def take_exits(self) -> Tuple[Exited, ...]:
+        """Exits since the last call."""
+        out, self.exits = tuple(self.exits), []
+        return out
+
+    def sessions(self) -> Dict[int, str]:
+        """Session ids of our workloads (= leader pids) -> instance key."""
+        return {w.pid: k for k, w in self.workloads.items()}
+
+
+def _as_current_user(section: ProcessSection) -> ProcessSection:
+    import dataclasses
+
+    pw = pwd.getpwuid(os.geteuid())
+    return dataclasses.replace(
+        section,
+        user=pw.pw_name,
+        uid=pw.pw_uid,
+        gid=os.getegid(),
+        home=pw.pw_dir,
+        groups=tuple(os.getgroups()),
+    )
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _read_some(fd: int, budget: int) -> Tuple[bytes, bool]:
+    """Read what is there (up to `budget`) from a non-blocking fd; also say whether it reached EOF."""
+    chunks = []
+    eof = False
+    while budget > 0:
+        try:
+            chunk = os.read(fd, min(budget, 65536))
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            eof = True
+            break
+        if not chunk:
+            eof = True
+            break
+        chunks.append(chunk)
+        budget -= len(chunk)
+    return b"".join(chunks), eof
+
+
+def _children(pid: int) -> List[int]:
+    """Direct children of a process (/proc/PID/task/TID/children where the kernel has it)."""
+    out: List[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tasks = []
+    found = False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+            found = True
+        except OSError:
+            continue
+    if not found:
+        out = [int(p) for p in procfs.list_pids() if (procfs.read_stat(int(p)) or _NO_STAT).ppid == pid]
+    return out
+
+
+_NO_STAT = procfs.ProcStat(pid=0, comm="", state="", ppid=-1, pgrp=0, sid=0, start_ticks=0)
