@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _stderr(line: str, priority: int = 3) -> None:
+    """One line on stderr; with a syslog priority prefix when stderr is the journal."""
+    prefix = f"<{priority}>" if logs.stderr_is_journal() else ""
+    print(f"{prefix}{line}", file=sys.stderr)
+
+
 def _config_path(args: argparse.Namespace) -> Tuple[str, bool]:
     return (args.config, True) if args.config else (DEFAULT_PATH, False)
 
@@ -200,9 +206,9 @@ def cmd_check(args: argparse.Namespace) -> int:
                 )
     backend.close()
     for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        _stderr(f"warning: {w}", 4)
     for e in errors:
-        print(e, file=sys.stderr)
+        _stderr(e)
     if errors:
         return EXIT_USAGE
     n_gpus = len(reading.gpus)
@@ -251,10 +257,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return handler(args)
     except ConfigError as err:
         for line in err.errors:
-            print(line, file=sys.stderr)
+            _stderr(line)
         return EXIT_USAGE
     except CliError as err:
-        print(f"gpu-mon: {err}", file=sys.stderr)
+        _stderr(f"gpu-mon: {err}")
         return err.code
     except KeyboardInterrupt:
         return 130
@@ -262,10 +268,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_OK
     except Exception as err:
         if args.debug:
-            raise
-        print(
-            f"gpu-mon: error: {type(err).__name__}: {err} (run with --debug for a traceback)", file=sys.stderr
-        )
+            # Through the logger, so that under systemd every traceback line carries its priority.
+            logging.getLogger("gpu_mon").exception("gpu-mon: unexpected error")
+        else:
+            _stderr(f"gpu-mon: error: {type(err).__name__}: {err} (run with --debug for a traceback)")
         return EXIT_FAILURE
 
 

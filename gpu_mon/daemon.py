@@ -107,6 +107,12 @@ class Daemon:
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("signal", ""))
 
     def _setup_inotify(self) -> None:
+        if not self.config.defaults.watch_opens:
+            log.info(
+                "watch_opens = no: noticing GPU use only by polling every %g s",
+                self.config.defaults.interval_seconds,
+            )
+            return
         try:
             self.inotify = Inotify()
         except OSError as err:
@@ -117,6 +123,13 @@ class Daemon:
             )
             return
         self.selector.register(self.inotify.fd, selectors.EVENT_READ, ("inotify", ""))
+
+    def _teardown_inotify(self) -> None:
+        if self.inotify is not None:
+            self.selector.unregister(self.inotify.fd)
+            self.inotify.close()
+            self.inotify = None
+            self.opened.clear()
 
     def _rewatch(self) -> None:
         if self.inotify is None:
@@ -437,7 +450,12 @@ class Daemon:
         changed = [n for n, p in old.items() if n not in fresh or fresh[n].fingerprint != p.fingerprint]
         for warning in new.warnings:
             log.warning("%s", warning)
+        watch_changed = new.defaults.watch_opens != self.config.defaults.watch_opens
         self.config = new
+        if watch_changed:
+            self._teardown_inotify()
+            self._setup_inotify()
+            self._rewatch()
         self.plan = None
         self.reported_problems.clear()
         self.supervisor.stop_timeout = new.defaults.stop_timeout_seconds
@@ -461,8 +479,7 @@ class Daemon:
     def _finish(self) -> None:
         log.info("gpu-mon stopped")
         statefile.remove(self.config.defaults.state_file)
-        if self.inotify is not None:
-            self.inotify.close()
+        self._teardown_inotify()
         self.observer.backend.close()
 
 

@@ -326,7 +326,8 @@ def _why_not_start(
     if taken:
         return f"waiting: {label(taken[0])} runs {claimed[taken[0]]}", None
     delay = config.defaults.start_delay_seconds
-    ready_at = max(verdicts[u].free_since or now for u in inst.gpus) + delay
+    since = [verdicts[u].free_since for u in inst.gpus]
+    ready_at = max(now if s is None else s for s in since) + delay
     b = backoff.get(inst.key)
     if b is not None and b.not_before > ready_at:
         ready_at = b.not_before

@@ -1,0 +1,77 @@
+"""Background load for the benchmarks: N cheap processes (`sleep`) holding ~10 open fds each."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+from typing import Dict, List, Optional, Sequence
+
+
+class Background:
+    """N `sleep` processes, each holding stdin/stdout/stderr plus `extra_fds` inherited fds."""
+
+    def __init__(
+        self,
+        count: int,
+        filler: str = os.devnull,
+        extra_fds: int = 7,
+        holders: Optional[Dict[int, str]] = None,
+    ):
+        """`holders` maps process number -> a file that process also holds (a GPU stand-in)."""
+        self.procs: List[subprocess.Popen] = []
+        fill = [os.open(filler, os.O_RDONLY) for _ in range(extra_fds)]
+        try:
+            for i in range(count):
+                fds = list(fill)
+                extra = None
+                if holders and i in holders:
+                    extra = os.open(holders[i], os.O_RDONLY)
+                    fds[-1] = extra
+                p = subprocess.Popen(
+                    ["sleep", "1000000"],
+                    pass_fds=fds,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                if extra is not None:
+                    os.close(extra)
+                self.procs.append(p)
+        finally:
+            for fd in fill:
+                os.close(fd)
+
+    @property
+    def pids(self) -> List[int]:
+        """Pids of the background processes."""
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        """Kill and reap them all."""
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (p99 of 50 samples is the largest but one... nearest rank: the 50th)."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * pct // 100))
+    return ordered[int(rank) - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    """statistics.median, for symmetry with percentile."""
+    return statistics.median(values)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain text table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

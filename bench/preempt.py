@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Benchmark: how fast gpu-mon yields a GPU, and what it costs when nothing happens.
+
+    sudo python bench/preempt.py [--procs 1000] [--trials 50] [--idle-seconds 60]
+
+With N background processes (each holding ~10 fds), a real `gpu-mon run` on a simulated GPU runs a workload
+(a process and its child). A foreign process (long-lived, like a Jupyter kernel) opens the GPU's node; we
+measure the time from just before its open() to the workload receiving SIGTERM (stamped by the workload's
+own handler, CLOCK_MONOTONIC is system-wide) and to the whole process group being gone (pidfds). The
+foreign process then closes the node and the workload restarts for the next trial.
+
+Modes, in the same run: gpu-mon as shipped (inotify IN_OPEN + incremental scan, polling every 1 s), and the
+seed tools' method (polling every 1 s with a full scan, no events). Then each daemon's CPU use over
+--idle-seconds of quiet, with the workload running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from background import Background, median, percentile, table  # noqa: E402
+
+WORKLOAD = r"""
+import json, os, signal, sys, time
+report = sys.argv[1]
+def say(**kw):
+    with open(report, "a") as f:
+        f.write(json.dumps(kw) + "\n")
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:
+        time.sleep(3600)
+def on_term(*_):
+    say(event="term", pid=os.getpid(), t=time.monotonic_ns())
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+say(event="start", pid=os.getpid(), child=child)
+while True:
+    time.sleep(3600)
+"""
+
+OPENER = r"""
+import os, sys, time
+for line in sys.stdin:
+    if line.strip() == "open":
+        t = time.monotonic_ns()
+        fd = os.open(sys.argv[1], os.O_RDONLY)
+        print(t, flush=True)
+    else:
+        os.close(fd)
+        print("closed", flush=True)
+"""
+
+
+def cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+class Run:
+    """One daemon under test with its workload, simulated GPU and foreign opener."""
+
+    def __init__(self, work: Path, name: str, defaults: Dict[str, object]):
+        self.dir = work / name
+        self.dir.mkdir()
+        (self.dir / "dev").mkdir()
+        self.device = self.dir / "dev" / "nvidia0"
+        self.device.touch()
+        (self.dir / "sim.json").write_text(
+            json.dumps({"gpus": [{"uuid": "GPU-bench-0", "device": "dev/nvidia0"}]})
+        )
+        (self.dir / "workload.py").write_text(WORKLOAD)
+        self.report = self.dir / "report.jsonl"
+        values = {
+            "interval_seconds": 1,
+            "start_delay_seconds": 0.2,
+            "stop_timeout_seconds": 5,
+            "state_file": str(self.dir / "state.json"),
+        }
+        values.update(defaults)
+        conf = "[defaults]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
+        conf += (
+            f"[gpu-all]\ngpus = ALL\n[process-bench]\nuser = root\n"
+            f"cmd = {sys.executable} {self.dir / 'workload.py'} {self.report}\n"
+        )
+        cpath = self.dir / "gpu_mon.conf"
+        cpath.write_text(conf)
+        os.chmod(cpath, 0o600)
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env.pop("NOTIFY_SOCKET", None)
+        self.log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until close()
+        self.daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpu_mon",
+                "--config",
+                str(cpath),
+                "--sim",
+                str(self.dir / "sim.json"),
+                "run",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.opener = subprocess.Popen(
+            [sys.executable, "-c", OPENER, str(self.device)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.seen = 0
+
+    def events(self) -> List[dict]:
+        try:
+            return [json.loads(x) for x in self.report.read_text().splitlines() if x.strip()]
+        except (OSError, ValueError):
+            return []
+
+    def wait_start(self, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            starts = [e for e in self.events() if e["event"] == "start"]
+            if len(starts) > self.seen:
+                self.seen = len(starts)
+                return starts[-1]
+            time.sleep(0.01)
+        raise RuntimeError(f"workload did not start; see {self.dir / 'daemon.log'}")
+
+    def trial(self) -> Tuple[float, float]:
+        """One preemption: (ms open->SIGTERM, ms open->group gone)."""
+        start = self.wait_start()
+        fds = [os.pidfd_open(start["pid"]), os.pidfd_open(start["child"])]
+        time.sleep(0.3)  # let the daemon settle into its quiet state (the open must come out of the blue)
+        self.opener.stdin.write("open\n")
+        self.opener.stdin.flush()
+        t_open = int(self.opener.stdout.readline())
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        remaining = set(fds)
+        deadline = time.monotonic() + 30
+        while remaining and time.monotonic() < deadline:
+            for fd, _ in poller.poll(100):
+                remaining.discard(fd)
+                poller.unregister(fd)
+        t_gone = time.monotonic_ns()
+        for fd in fds:
+            os.close(fd)
+        if remaining:
+            raise RuntimeError("workload not stopped within 30 s")
+        terms = [e for e in self.events() if e["event"] == "term" and e["pid"] == start["pid"]]
+        t_term = terms[-1]["t"] if terms else t_gone
+        self.opener.stdin.write("close\n")
+        self.opener.stdin.flush()
+        assert self.opener.stdout.readline().strip() == "closed"
+        return (t_term - t_open) / 1e6, (t_gone - t_open) / 1e6
+
+    def idle_cpu(self, seconds: float) -> float:
+        """Percent of one core the daemon used over `seconds` of quiet (workload running)."""
+        self.wait_start()
+        time.sleep(1.0)
+        tick = os.sysconf("SC_CLK_TCK")
+        before, t0 = cpu_ticks(self.daemon.pid), time.monotonic()
+        time.sleep(seconds)
+        after, t1 = cpu_ticks(self.daemon.pid), time.monotonic()
+        return 100.0 * (after - before) / tick / (t1 - t0)
+
+    def close(self) -> None:
+        self.opener.kill()
+        self.opener.wait()
+        if self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            self.daemon.wait(30)
+        self.log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--procs", type=int, default=1000)
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--idle-seconds", type=float, default=60.0)
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("run as root: the daemon must see every process", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="gpu-mon-preempt-"))
+    modes = [
+        ("gpu-mon (inotify + incremental scan, poll 1 s)", "events", {}),
+        (
+            "seed-style polling (1 s, full scan, no events)",
+            "polling",
+            {"watch_opens": "no", "full_scan_seconds": 1},
+        ),
+    ]
+    print(f"starting {a.procs} background processes...", flush=True)
+    bg = Background(a.procs)
+    rows = []
+    try:
+        nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
+        for label, name, defaults in modes:
+            run = Run(work, name, defaults)
+            try:
+                samples = []
+                for i in range(a.trials):
+                    samples.append(run.trial())
+                    if (i + 1) % 10 == 0:
+                        print(f"  {name}: {i + 1}/{a.trials} trials", flush=True)
+                cpu = run.idle_cpu(a.idle_seconds)
+            finally:
+                run.close()
+            term = [s[0] for s in samples]
+            gone = [s[1] for s in samples]
+            rows.append(
+                [
+                    label,
+                    len(samples),
+                    f"{median(term):.1f}",
+                    f"{percentile(term, 99):.1f}",
+                    f"{max(term):.1f}",
+                    f"{median(gone):.1f}",
+                    f"{percentile(gone, 99):.1f}",
+                    f"{cpu:.2f}",
+                ]
+            )
+    finally:
+        bg.close()
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(
+        f"{nprocs} processes in /proc; {os.cpu_count()} CPUs; kernel {os.uname().release}; "
+        f"idle CPU over {a.idle_seconds:g} s"
+    )
+    print(
+        table(
+            [
+                "mode",
+                "trials",
+                "open->SIGTERM p50 ms",
+                "p99 ms",
+                "max ms",
+                "open->group gone p50 ms",
+                "p99 ms",
+                "idle CPU % of a core",
+            ],
+            rows,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Shared test harness: simulated GPUs, real daemons, real workloads, and waiting on conditions.
+
+Only the GPU is simulated (a JSON file plus regular files standing in for /dev/nvidiaN). Processes, signals,
+sessions, files and sockets are real. Nothing here sleeps and hopes: `wait_for` polls a condition until a
+deadline and fails with what it was waiting for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_MON = [sys.executable, "-m", "gpu_mon"]
+WORKLOAD = Path(__file__).resolve().parent / "workload.py"
+# Workloads may run as `nobody`, who cannot read the venv's interpreter under /root: use the system one.
+WORKLOAD_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+UUIDS = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(8)]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Tests marked `gpu` need a real NVIDIA GPU: skipped (only they) where NVML finds none."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from gpu_mon.nvml import NvmlBackend
+
+    reading = NvmlBackend().read()
+    if reading.gpus and not reading.error:
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU ({reading.error or 'no GPU found'})")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+def wait_for(
+    condition: Callable[[], object], timeout: float = 10.0, what: str = "condition", interval: float = 0.02
+) -> object:
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class SimHost:
+    """A simulated host: the JSON file the daemon re-reads each look, and the device stand-in files."""
+
+    def __init__(self, directory: Path, count: int = 2):
+        self.dir = directory
+        self.path = directory / "sim.json"
+        self.gpus: List[Dict[str, object]] = [
+            {
+                "uuid": UUIDS[i],
+                "name": f"Sim GPU {i}",
+                "memory_total_mib": 81559,
+                "memory_used_mib": 0,
+                "utilization_pct": 0,
+                "device": f"dev/nvidia{i}",
+            }
+            for i in range(count)
+        ]
+        (directory / "dev").mkdir(exist_ok=True)
+        for i in range(count):
+            Path(self.device(i)).touch()
+        self.write()
+
+    def device(self, index: int) -> str:
+        """Path of GPU `index`'s stand-in device file."""
+        return str(self.dir / "dev" / f"nvidia{index}")
+
+    def uuid(self, index: int) -> str:
+        """UUID of GPU `index`."""
+        return str(self.gpus[index]["uuid"])
+
+    def write(self) -> None:
+        """Replace the file atomically, so the daemon never reads half of it."""
+        tmp = self.dir / "sim.json.tmp"
+        tmp.write_text(json.dumps({"gpus": self.gpus}))
+        os.replace(tmp, self.path)
+
+    def set(self, index: int, **fields: object) -> None:
+        """Change fields of one GPU (None removes the key)."""
+        for key, value in fields.items():
+            if value is None:
+                self.gpus[index].pop(key, None)
+            else:
+                self.gpus[index][key] = value
+        self.write()
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> SimHost:
+    """Two simulated GPUs."""
+    return SimHost(tmp_path, 2)
+
+
+def write_config(path: Path, text: str) -> Path:
+    """Write a config file the way root wants it (0600)."""
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    return path
+
+
+class Daemon:
+    """A real `gpu-mon run` on a simulated host, with its log in a file."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        sim: SimHost,
+        body: str,
+        defaults: Optional[Dict[str, object]] = None,
+        env: Optional[Dict[str, str]] = None,
+    ):
+        self.tmp = tmp_path
+        self.sim = sim
+        self.state_path = tmp_path / "state.json"
+        self.config_path = tmp_path / "gpu_mon.conf"
+        self.log_path = tmp_path / "daemon.log"
+        self.defaults = {
+            "interval_seconds": 0.2,
+            "start_delay_seconds": 0.5,
+            "stop_timeout_seconds": 2,
+            "restart_delay_seconds": 0.5,
+            "state_file": str(self.state_path),
+        }
+        self.defaults.update(defaults or {})
+        self.body = body
+        self.write_config(body)
+        self.env = dict(os.environ)
+        self.env.pop("NOTIFY_SOCKET", None)
+        self.env.pop("JOURNAL_STREAM", None)
+        self.env.update(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+        self.seen_pids: set = set()
+
+    def write_config(self, body: str, defaults: Optional[Dict[str, object]] = None) -> None:
+        """(Re)write the config file."""
+        values = dict(self.defaults)
+        values.update(defaults or {})
+        head = "[defaults]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
+        write_config(self.config_path, head + body)
+
+    def start(self) -> Daemon:
+        """Start `gpu-mon run` in its own session."""
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the daemon writes it until cleanup()
+        self.proc = subprocess.Popen(
+            [*GPU_MON, "--config", str(self.config_path), "--sim", str(self.sim.path), "run"],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=str(self.tmp),
+            start_new_session=True,
+        )
+        return self
+
+    def log(self) -> str:
+        """Everything the daemon logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 10.0, count: int = 1) -> List[str]:
+        """Wait until `pattern` (a regex) matches `count` log lines; return the matching lines."""
+        rx = re.compile(pattern)
+
+        def found() -> List[str]:
+            lines = [line for line in self.log().splitlines() if rx.search(line)]
+            return lines if len(lines) >= count else []
+
+        try:
+            return wait_for(found, timeout, f"log line /{pattern}/ x{count}")  # type: ignore[return-value]
+        except AssertionError:
+            raise AssertionError(f"timed out waiting for /{pattern}/ x{count}; log:\n{self.log()}") from None
+
+    def state(self) -> Dict[str, object]:
+        """The daemon's state file (empty dict while it has none)."""
+        try:
+            return json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def workload(self, label: str) -> Dict[str, object]:
+        """The state file's entry for one workload (by label, e.g. `miner@0`)."""
+        for w in self.state().get("workloads", []):  # type: ignore[union-attr]
+            if w["label"] == label:
+                return w
+        return {}
+
+    def wait_running(self, label: str, timeout: float = 10.0) -> int:
+        """Wait until a workload runs and has reported its command's pid; return that pid."""
+
+        def running() -> int:
+            w = self.workload(label)
+            if w.get("state") == "running" and w.get("command_pid"):
+                return int(w["command_pid"])  # type: ignore[arg-type]
+            return 0
+
+        pid = int(wait_for(running, timeout, f"{label} running"))  # type: ignore[arg-type]
+        self.seen_pids.add(pid)
+        return pid
+
+    def descendants(self) -> List[int]:
+        """Live descendants of the daemon."""
+        if self.proc is None:
+            return []
+        try:
+            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the daemon."""
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait for exit; return the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def cleanup(self) -> None:
+        """Leave nothing behind, whatever the test did."""
+        victims = set(self.descendants()) | self.seen_pids
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if hasattr(self, "_log"):
+            self._log.close()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path, sim: SimHost):
+    """daemon_factory(body, defaults=None, env=None) -> a started Daemon, cleaned up after the test."""
+    made: List[Daemon] = []
+
+    def make(
+        body: str,
+        defaults: Optional[Dict[str, object]] = None,
+        env: Optional[Dict[str, str]] = None,
+        start: bool = True,
+    ) -> Daemon:
+        d = Daemon(tmp_path, sim, body, defaults, env)
+        made.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+@pytest.fixture
+def public_dir():
+    """A world-writable directory outside /root and pytest's 0700 tree, for workloads run as `nobody`."""
+    path = Path(tempfile.mkdtemp(prefix="gpu-mon-test-", dir="/tmp"))
+    os.chmod(path, 0o777)
+    shutil.copy(WORKLOAD, path / "workload.py")
+    os.chmod(path / "workload.py", 0o644)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def read_reports(path: Path) -> List[Dict[str, object]]:
+    """JSON lines written by tests/workload.py."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def workload_cmd(directory: Path, *args: str) -> str:
+    """A `cmd =` value running tests/workload.py (copied into `directory`) with these arguments."""
+    script = directory / "workload.py"
+    if not script.exists():
+        shutil.copy(WORKLOAD, script)
+    quoted = " ".join(f"'{a}'" for a in args)
+    return f"{WORKLOAD_PYTHON} {script} {quoted}"

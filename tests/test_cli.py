@@ -1,0 +1,285 @@
+"""The command line as an admin meets it: exit codes, one-line errors, status output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import GPU_MON, ROOT, UUIDS, SimHost, write_config
+
+GOOD = "[gpu-all]\ngpus = ALL\n[process-m]\ncmd = /bin/true\nuser = root\n"
+
+
+def gpu_mon(*args: str, env=None, timeout: float = 60) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.pop("GPU_MON_SIM", None)
+    e.update(env or {})
+    return subprocess.run([*GPU_MON, *args], capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def no_traceback(r: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+
+
+@pytest.fixture
+def conf(tmp_path: Path) -> Path:
+    return write_config(tmp_path / "gpu_mon.conf", GOOD)
+
+
+def test_check_ok(conf, sim):
+    r = gpu_mon("--config", str(conf), "--sim", str(sim.path), "check")
+    assert r.returncode == 0, r.stderr
+    assert "OK: 1 [gpu-*] and 1 [process-*] section(s); 2 GPU(s) seen" in r.stdout
+    assert "root (written explicitly)" in r.stderr  # a warning, still exit 0
+
+
+def test_options_after_the_command(conf, sim):
+    r = gpu_mon("check", "--config", str(conf), "--sim", str(sim.path))
+    assert r.returncode == 0, r.stderr
+
+
+def test_sim_from_environment(conf, sim):
+    r = gpu_mon("--config", str(conf), "check", env={"GPU_MON_SIM": str(sim.path)})
+    assert r.returncode == 0 and "simulated GPUs" in r.stdout
+
+
+def test_check_bad_config_lists_every_error(tmp_path, sim):
+    path = write_config(tmp_path / "bad.conf", "[gpu-all]\ngpus = 0,x\n[process-m]\ngpus = 0\n[tyy]\n")
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines == [
+        f"{path}:2: [gpu-all] gpus: 'x' is not a GPU index or UUID",
+        f"{path}:3: [process-m] cmd: missing (the command to run)",
+        f"{path}:5: [tyy]: unknown section (did you mean [tty]?); known: [defaults], [tty], [gpu-NAME], "
+        "[process-NAME]",
+    ]
+    no_traceback(r)
+
+
+def test_check_gpu_that_does_not_exist_is_an_error(tmp_path, sim):
+    path = write_config(tmp_path / "c.conf", f"[gpu-a]\ngpus = 0,7,{UUIDS[5]}\n")
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 2
+    assert f"{path}: [gpu-a] gpus: no GPU with index 7 (this host has 2)" in r.stderr
+    assert f"no GPU with UUID {UUIDS[5]} on this host" in r.stderr
+
+
+def test_check_warns_about_placeholders(tmp_path, sim):
+    path = write_config(
+        tmp_path / "c.conf",
+        "[gpu-a]\ngpus = ALL\n[process-m]\ncmd = miner-run --x\n"
+        "dir = /nonexistent/dir\n[tty]\nwhitelist = user1,user2\n",
+    )
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 0, r.stderr
+    assert "'miner-run' is not on the workload's PATH" in r.stderr
+    assert "'/nonexistent/dir' does not exist" in r.stderr
+    assert "no user 'user1' on this host" in r.stderr
+
+
+def test_check_without_gpu_or_driver_is_a_warning(conf):
+    # No --sim: the real NVML, and there is no NVIDIA driver on a CI machine.
+    r = gpu_mon("--config", str(conf), "check")
+    if "0 GPU(s) seen" not in r.stdout and r.returncode == 0:
+        pytest.fail("expected a machine without NVIDIA GPUs; run the gpu-marked tests on GPU machines")
+    assert r.returncode == 0
+    assert "cannot check the GPUs the config names: NVML" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,code,fragment",
+    [
+        (["--config", "/nonexistent/gpu_mon.conf", "check"], 2, "/nonexistent/gpu_mon.conf: No such file"),
+        (["--config", "/", "check"], 2, "/: not a file name"),
+        (["--config", "/etc", "check"], 2, "/etc: not a regular file"),
+        (["bogus"], 2, "invalid choice: 'bogus'"),
+        ([], 2, "the following arguments are required: COMMAND"),
+        (["status", "--jsno"], 2, "unrecognized arguments: --jsno"),
+    ],
+    ids=["missing", "root-dir", "directory", "unknown-command", "no-command", "bad-option"],
+)
+def test_usage_errors(args, code, fragment):
+    r = gpu_mon(*args)
+    assert r.returncode == code
+    assert fragment in r.stderr
+    no_traceback(r)
+
+
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"gpus": [{"uuid": "nope"}]}', 'gpus[0].uuid: expected a string like "GPU-5a1c..."'),
+        (
+            '{"gpus": [{"uuid": "GPU-1", "memory_used_mib": -5}]}',
+            "gpus[0].memory_used_mib: expected a number >= 0",
+        ),
+    ],
+    ids=["json", "uuid", "negative"],
+)
+def test_bad_sim_file_is_one_line_and_exit_2(tmp_path, conf, content, fragment):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    for command in ("check", "status", "run"):
+        r = gpu_mon("--config", str(conf), "--sim", str(bad), command)
+        assert r.returncode == 2, (command, r.stderr)
+        assert r.stderr.count("\n") == 1 and fragment in r.stderr and str(bad) in r.stderr
+        no_traceback(r)
+
+
+def test_run_with_bad_config_exits_2_without_traceback(tmp_path, sim):
+    path = write_config(tmp_path / "c.conf", "[defaults]\ninterval_seconds = -1\n")
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "run")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{path}:2: [defaults] interval_seconds: '-1' must be greater than 0"
+
+
+def holder_process(path: str) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; f = open(sys.argv[1]); print(1, flush=True); sys.stdin.read()",
+            path,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert p.stdout.readline() == b"1\n"
+    return p
+
+
+def test_status_fresh_look_text_and_json(conf, sim):
+    sim.set(1, memory_used_mib=3000, utilization_pct=97)
+    p = holder_process(sim.device(0))
+    try:
+        r = gpu_mon("--config", str(conf), "--sim", str(sim.path), "status")
+        assert r.returncode == 0, r.stderr
+        assert "no daemon running; one fresh look at the host" in r.stdout
+        assert f"GPU 0  {UUIDS[0]}  Sim GPU 0" in r.stdout
+        assert f"busy: root python3[{p.pid}] holds {sim.device(0)}" in r.stdout
+        assert "busy: 3000 MiB used by others (more than busy_memory_mib = 1024)" in r.stdout
+        assert "3000/81559 MiB  97%" in r.stdout
+        j = gpu_mon("--config", str(conf), "--sim", str(sim.path), "status", "--json")
+        doc = json.loads(j.stdout)
+        g0 = doc["gpus"][0]
+        assert g0["uuid"] == UUIDS[0] and g0["busy"] is True
+        assert g0["holders"] == [
+            {"pid": p.pid, "user": "root", "name": "python3", "ours": False, "ignored": False}
+        ]
+        assert doc["daemon"] is None and doc["workloads"][0]["key"] == "m"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_status_without_any_config_shows_the_host(sim):
+    r = gpu_mon("--sim", str(sim.path), "status")
+    assert r.returncode == 0, r.stderr
+    assert "(missing: showing the host only)" in r.stdout or "config /etc/gpu_mon.conf" in r.stdout
+    assert "(not watched)" in r.stdout or "[gpu-" in r.stdout
+
+
+def test_status_with_nvml_unavailable_exits_1(conf):
+    r = gpu_mon("--config", str(conf), "status")
+    if "GPUs cannot be read" not in r.stdout:
+        pytest.fail("expected a machine without an NVIDIA driver")
+    assert r.returncode == 1
+    no_traceback(r)
+
+
+def test_status_reads_a_running_daemons_state(tmp_path, sim, daemon_factory):
+    d = daemon_factory("[gpu-all]\ngpus = ALL\n[process-m]\ncmd = sleep 600\nuser = root\ngpus = 1\n")
+    d.wait_running("m")
+    r = gpu_mon("--config", str(d.config_path), "status")
+    assert r.returncode == 0, r.stderr
+    assert f"daemon running (pid {d.proc.pid}" in r.stdout
+    assert "running m" in r.stdout
+    assert "starting m[" in r.stdout  # recent decisions
+    # After the daemon is gone (even by SIGKILL), status does not trust its stale state file.
+    d.proc.kill()
+    d.proc.wait()
+    r = gpu_mon("--config", str(d.config_path), "--sim", str(sim.path), "status")
+    assert "no daemon running" in r.stdout
+
+
+def test_python_dash_m_and_version():
+    r = subprocess.run([sys.executable, "-m", "gpu_mon", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("gpu-mon 0.")
+
+
+def test_example_demo_config_checks(tmp_path):
+    # The README's demo must work from any checkout.
+    r = gpu_mon(
+        "--config",
+        str(ROOT / "examples" / "demo.conf"),
+        "--sim",
+        str(ROOT / "examples" / "sim-host.json"),
+        "check",
+    )
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture
+def root_only():
+    if os.geteuid() != 0:
+        pytest.fail("the root-safety checks apply when gpu-mon runs as root; run the suite as root (CI does)")
+
+
+@pytest.mark.parametrize(
+    "setup,fragment",
+    [
+        (lambda d, f: os.chmod(f, 0o620), "writable by group or others (refused"),
+        (lambda d, f: os.chmod(f, 0o602), "writable by group or others (refused"),
+        (lambda d, f: os.chown(f, 65534, 65534), "owned by uid 65534, not root (refused"),
+        (lambda d, f: os.chmod(d, 0o777), "directory is writable by group or others (refused)"),
+        (lambda d, f: os.chown(d, 65534, 65534), "directory is owned by uid 65534, not root (refused)"),
+    ],
+    ids=["group-writable", "world-writable", "other-owned", "writable-parent", "other-owned-parent"],
+)
+def test_root_refuses_configs_others_could_change(tmp_path, sim, root_only, setup, fragment):
+    d = tmp_path / "etc"
+    d.mkdir()
+    f = write_config(d / "gpu_mon.conf", GOOD)
+    setup(d, f)
+    for command in ("check", "run", "status"):
+        r = gpu_mon("--config", str(f), "--sim", str(sim.path), command)
+        assert r.returncode == 2, (command, r.stdout, r.stderr)
+        assert fragment in r.stderr and r.stderr.count("\n") == 1
+        no_traceback(r)
+
+
+def test_root_refuses_a_symlinked_config(tmp_path, sim, root_only):
+    real = write_config(tmp_path / "real.conf", GOOD)
+    link = tmp_path / "gpu_mon.conf"
+    link.symlink_to(real)
+    r = gpu_mon("--config", str(link), "--sim", str(sim.path), "check")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{link}: is a symlink (refused: it could be redirected)"
+
+
+def test_root_accepts_a_config_in_a_sticky_root_directory(sim, root_only):
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        os.chmod(d, 0o1777)
+        path = write_config(Path(d) / "gpu_mon.conf", GOOD)
+        r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+        assert r.returncode == 0, r.stderr
+
+
+def test_shipped_config_is_valid(sim):
+    shipped = ROOT / "conf" / "gpu_mon.conf"
+    r = gpu_mon("--config", str(shipped), "--sim", str(sim.path), "check")
+    assert r.returncode == 0, r.stderr
+
+
+def test_sim_host_example_status(tmp_path):
+    host = SimHost(tmp_path, 3)
+    r = gpu_mon("--sim", str(host.path), "status", "--json")
+    assert [g["index"] for g in json.loads(r.stdout)["gpus"]] == [0, 1, 2]
