@@ -30,6 +30,10 @@ _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SECTION_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 _RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
+# C0/C1 controls (tab allowed), DEL and the Unicode line/paragraph separators: never meaningful in a config
+# line, and echoed raw they would garble the one-line error messages.
+_CONTROL_RE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+MAX_MESSAGE = 240  # longer messages (a huge value or key) are cut in the middle, after `PATH:`
 
 
 class ConfigError(Exception):
@@ -62,6 +66,7 @@ class Defaults:
     restart_delay_max_seconds: float = 600.0
     healthy_run_seconds: float = 60.0
     full_scan_seconds: float = 30.0
+    watch_opens: bool = True
     state_file: str = "/run/gpu_mon/state.json"
 
 
@@ -133,23 +138,44 @@ class _RawSection:
     items: List[Tuple[str, str, int]] = field(default_factory=list)
 
 
-def _lex(text: str, where: Callable[[int], str], errors: List[str]) -> List[_RawSection]:
+def _lex(
+    text: str, where: Callable[[int], str], errors: List[str], bad_lines: Dict[int, str]
+) -> List[_RawSection]:
+    """Split into sections; lines with control characters go to `bad_lines` (line -> error)."""
     sections: List[_RawSection] = []
     seen: Dict[str, int] = {}
     current: Optional[_RawSection] = None
+    header_seen = False  # a '[...' line was met, even a broken one
     last_item: Optional[int] = None  # index into current.items that an indented line continues
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    # Only "\n" ends a line (CRLF tolerated): str.splitlines() would also split on form feeds, U+2028 and
+    # others, and every line number after one would be wrong.
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        if raw.endswith("\r"):
+            raw = raw[:-1]
         stripped = raw.strip()
         if not stripped or stripped[0] in ";#":
             continue
+        bad = _CONTROL_RE.search(raw)
+        if bad:  # reported alone: the errors that its mangled text causes are dropped in parse()
+            bad_lines[lineno] = (
+                f"{where(lineno)}: control character U+{ord(bad.group()):04X} in the line (not allowed)"
+            )
+            raw = _CONTROL_RE.sub("\ufffd", raw)
+            stripped = raw.strip()
         if raw[0] in " \t" and current is not None and last_item is not None:
             key, value, at = current.items[last_item]
             current.items[last_item] = (key, (value + "\n" + stripped).strip(), at)
             continue
         last_item = None
         if stripped.startswith("["):
+            header_seen = True
             if not stripped.endswith("]"):
-                errors.append(f"{where(lineno)}: section header is missing its closing ']'")
+                what = (
+                    "text after the section header's ']' (comments go on their own line)"
+                    if "]" in stripped
+                    else "section header is missing its closing ']'"
+                )
+                errors.append(f"{where(lineno)}: {what}")
                 current = None
                 continue
             name = stripped[1:-1].strip()
@@ -166,7 +192,7 @@ def _lex(text: str, where: Callable[[int], str], errors: List[str]) -> List[_Raw
             errors.append(f"{where(lineno)}: expected 'key = value' or '[section]', found {stripped[:60]!r}")
             continue
         if current is None:
-            if not sections:
+            if not header_seen:
                 errors.append(f"{where(lineno)}: 'key = value' before any [section]")
             continue  # inside a broken or duplicate section: already reported
         i = min(cut)
@@ -208,6 +234,8 @@ def _mib(value: str) -> int:
     try:
         number = int(value)
     except ValueError:
+        if value.strip().isdigit():  # more digits than int() converts
+            raise ValueError(f"{value!r} is too large (at most {MAX_MIB} MiB)") from None
         raise ValueError(f"{value!r} is not a whole number of MiB") from None
     if number < 0:
         raise ValueError(f"{value!r} must be 0 or more")
@@ -233,7 +261,7 @@ def _names(value: str) -> Tuple[str, ...]:
     """A comma-separated list (newlines also separate); empty items are errors."""
     if not value.strip():
         return ()
-    items = [item.strip() for item in re.split(r"[,\n]", value)]
+    items = [item.strip() for item in re.split(r",[ \t]*\n|[,\n]", value)]  # "a,\n b" is two items
     if any(not item for item in items):
         raise ValueError(f"{value!r}: empty item in the list (stray comma?)")
     return tuple(items)
@@ -247,7 +275,7 @@ def _gpus(value: str) -> GpuSelection:
     refs: List[object] = []
     for item in _names(value):
         if item.isdigit() and item.isascii():
-            ref: object = int(item)
+            ref: object = int(item) if len(item) <= 6 else 1 << 30
             if ref > 4096:
                 raise ValueError(f"{item!r} is not a GPU index (too large)")
         elif _UUID_RE.match(item):
@@ -267,6 +295,8 @@ def _command(value: str) -> Tuple[str, ...]:
         raise ValueError(f"cannot split {value!r}: {err}") from None
     if not argv:
         raise ValueError("is empty")
+    if not argv[0]:
+        raise ValueError(f"{value!r}: the program name is empty")
     return tuple(argv)
 
 
@@ -295,6 +325,15 @@ def _path(base: str) -> Callable[[str], str]:
         return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
     return parse
+
+
+def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An empty value means "not set" (None): conf/gpu_mon.conf lists such keys as `;key =`."""
+
+    def parse_optional(value: str) -> object:
+        return parse(value) if value else None
+
+    return parse_optional
 
 
 def _globs(value: str) -> Tuple[str, ...]:
@@ -356,13 +395,26 @@ def _defaults(sec: _Section, base: str) -> Defaults:
         "restart_delay_max_seconds": _seconds,
         "healthy_run_seconds": _seconds,
         "full_scan_seconds": _positive_seconds,
+        "watch_opens": _bool,
         "state_file": _path(base),
     }
     values = sec.parse(schema)
     d = Defaults(**{k: v for k, (v, _) in values.items()})
-    if d.restart_delay_max_seconds < d.restart_delay_seconds:
-        line = values.get("restart_delay_max_seconds", (None, sec.raw.line))[1]
-        sec.error(line, "restart_delay_max_seconds", "must be at least restart_delay_seconds")
+    pair = ("restart_delay_seconds", "restart_delay_max_seconds")
+    unparsed = any(sec.has(k) and k not in values for k in pair)  # already reported
+    if d.restart_delay_max_seconds < d.restart_delay_seconds and not unparsed:
+        if "restart_delay_max_seconds" in values:
+            sec.error(
+                values["restart_delay_max_seconds"][1],
+                "restart_delay_max_seconds",
+                f"must be at least restart_delay_seconds ({d.restart_delay_seconds:g})",
+            )
+        else:  # only the delay is written: point at it, not at a key the admin never wrote
+            sec.error(
+                values["restart_delay_seconds"][1],
+                "restart_delay_seconds",
+                f"must be at most restart_delay_max_seconds ({d.restart_delay_max_seconds:g}, the default)",
+            )
     return d
 
 
@@ -372,7 +424,7 @@ def _gpu_section(sec: _Section, warn: List[str]) -> Optional[GpuSection]:
         "ignore_programs": _names,
         "ignore_users": _names,
         "busy_memory_mib": _mib,
-        "holder_grace_seconds": _seconds,
+        "holder_grace_seconds": _optional(_seconds),
     }
     values = sec.parse(schema)
     if not sec.has("gpus"):
@@ -395,6 +447,17 @@ def _resolve_user(sec: _Section, values: Dict[str, Tuple[object, int]], warn: Li
     except KeyError:
         what = "no such user" if user_value else "the default user does not exist here; set user ="
         sec.error(line, "user", f"{what} {user!r}")
+        pw = None
+    gid = pw.pw_gid if pw else -1
+    group_value = values.get("group")
+    # `group =` (empty): the user's primary group. Checked even for an unknown user (all errors at once).
+    if group_value and group_value[0]:
+        try:
+            gid = grp.getgrnam(str(group_value[0])).gr_gid
+        except KeyError:
+            sec.error(group_value[1], "group", f"no such group {group_value[0]!r}")
+            return {}
+    if pw is None:
         return {}
     out: Dict[str, object] = {
         "user": user,
@@ -402,14 +465,6 @@ def _resolve_user(sec: _Section, values: Dict[str, Tuple[object, int]], warn: Li
         "uid": pw.pw_uid,
         "home": pw.pw_dir or "/",
     }
-    gid = pw.pw_gid
-    group_value = values.get("group")
-    if group_value:
-        try:
-            gid = grp.getgrnam(str(group_value[0])).gr_gid
-        except KeyError:
-            sec.error(group_value[1], "group", f"no such group {group_value[0]!r}")
-            return {}
     try:
         out["group"] = grp.getgrgid(gid).gr_name
     except KeyError:
@@ -432,7 +487,7 @@ def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[Proc
         "cmd": _command,
         "dir": _path(base),
         "gpus": _gpus,
-        "log": _path(base),
+        "log": _optional(_path(base)),
         "user": str,
         "group": str,
         "env": _env,
@@ -499,11 +554,15 @@ def parse(text: str, path: str = "<config>") -> Config:
     def where(line: int) -> str:
         return f"{path}:{line}"
 
+    if text.startswith("\ufeff"):  # a byte-order mark some Windows editors write
+        text = text[1:]
+
     base = os.path.dirname(os.path.abspath(path)) if not path.startswith("<") else os.getcwd()
     defaults, tty = Defaults(), TtySection()
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
-    for raw in _lex(text, where, errors):
+    bad_lines: Dict[int, str] = {}
+    for raw in _lex(text, where, errors, bad_lines):
         sec = _Section(raw, where, errors)
         kind = _check_section_name(raw, sec)
         if kind == "defaults":
@@ -519,16 +578,28 @@ def parse(text: str, path: str = "<config>") -> Config:
             if p:
                 processes.append(p)
     _cross_check(gpu_sections, processes, where, errors, warnings, path)
+    if bad_lines:
+        errors = [e for e in errors if _line_of(e) not in bad_lines] + list(bad_lines.values())
     if errors:
-        raise ConfigError(sorted(errors, key=_line_of))
+        raise ConfigError([_shorten(e, path) for e in sorted(errors, key=_line_of)])
     return Config(
         path=path,
         defaults=defaults,
         gpu_sections=tuple(gpu_sections),
         processes=tuple(processes),
         tty=tty,
-        warnings=tuple(warnings),
+        warnings=tuple(_shorten(w, path) for w in warnings),
     )
+
+
+def _shorten(line: str, path: str) -> str:
+    """Cut the middle out of an overlong message (a 100 kB value), keeping `PATH:` and the explanation."""
+    head = path if line.startswith(path) else ""
+    rest = line[len(head) :]
+    if len(rest) <= MAX_MESSAGE:
+        return line
+    half = MAX_MESSAGE // 2
+    return f"{head}{rest[:half]}...{rest[-half:]}"
 
 
 def _cross_check(
@@ -586,8 +657,6 @@ def load(path: str, trusted_uid: Optional[int] = None) -> Config:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError([f"{path}: not UTF-8 text (bad byte at offset {err.start})"]) from None
-    if text.startswith("\ufeff"):
-        text = text[1:]
     return parse(text, path)
 
 

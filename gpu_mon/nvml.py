@@ -72,8 +72,9 @@ class NvmlBackend:
 
     def _needs_reinit(self, err: Exception) -> bool:
         nv = self._nv
-        codes = [getattr(nv, name, None) for name in _REINIT_ERRORS]
-        return getattr(err, "value", None) in codes
+        codes = [getattr(nv, name) for name in _REINIT_ERRORS if hasattr(nv, name)]
+        value = getattr(err, "value", None)
+        return value is not None and value in codes
 
     def _call(self, index: int, fn: Callable, *args: object) -> object:
         name = getattr(fn, "__name__", "call")
@@ -89,11 +90,17 @@ class NvmlBackend:
 
     def read(self) -> GpuReading:
         """One look at every GPU; never raises."""
+        self.last_timings = {}
+        try:
+            return self._read()
+        except Exception as err:  # a pynvml bug or a surprise: every GPU unreadable (busy), not a crash
+            return GpuReading(gpus=(), error=f"NVML: unexpected {type(err).__name__}: {err}")
+
+    def _read(self) -> GpuReading:
         error = self._init()
         if error:
             return GpuReading(gpus=(), error=error)
         nv = self._nv
-        self.last_timings = {}
         try:
             count = int(self._call(-1, nv.nvmlDeviceGetCount))
         except (nv.NVMLError, _Unsupported) as err:
@@ -104,6 +111,7 @@ class NvmlBackend:
     def _reset_if_needed(self, err: Exception) -> None:
         if self._needs_reinit(err):
             self._ready = False
+            self._chosen.clear()  # a reloaded driver may export other process calls
             with contextlib.suppress(Exception):
                 self._nv.nvmlShutdown()
 
@@ -187,6 +195,7 @@ class NvmlBackend:
             self._chosen[kind] = name
             return list(result or [])
         if last is not None:
+            self._chosen.pop(kind, None)  # try every call again next time
             raise last
         raise _Unsupported(kind)
 

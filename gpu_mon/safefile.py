@@ -23,6 +23,8 @@ def _why(err: OSError) -> str:
         return "is a symlink (refused: it could be redirected)"
     if err.errno == errno.ENOTDIR:
         return "a path component is not a directory (or is a symlink)"
+    if err.errno == errno.ENXIO:  # strerror would say "No such device or address"
+        return "not a regular file (a socket, a FIFO with no reader, or a device with no driver)"
     return err.strerror or str(err)
 
 
@@ -44,6 +46,7 @@ def open_parent(path: str, trusted_uid: Optional[int] = None) -> tuple:
     Symlinks in the directory part are resolved once up front (e.g. /var/run -> /run); the walk then
     refuses any component that has become a symlink since.
     """
+    given = path
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     if not name:
@@ -60,6 +63,8 @@ def open_parent(path: str, trusted_uid: Optional[int] = None) -> tuple:
             try:
                 nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
             except OSError as err:
+                if err.errno == errno.ENOENT:  # like cat(1): the file the caller asked for does not exist
+                    raise UnsafeFile(f"{given}: {_why(err)}") from None
                 raise UnsafeFile(f"{walked}: {_why(err)}") from None
             os.close(fd)
             fd = nfd
@@ -113,10 +118,12 @@ def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes
 
 
 def open_append(path: str, mode: int = 0o640) -> int:
-    """Open (creating) a log file for appending without following symlinks anywhere in its path.
+    """Open (creating) a log file for appending; the final component is never followed if it is a symlink.
 
-    Returns a blocking O_WRONLY|O_APPEND descriptor. Refuses FIFOs, sockets and directories; a character
-    device is accepted (log = /dev/null).
+    Symlinks in the directory part are resolved once up front (see open_parent), so a symlinked directory
+    that exists before the call is followed; one swapped in during the walk is refused. Returns a blocking
+    O_WRONLY|O_APPEND descriptor. Refuses FIFOs, sockets and directories; a character device is accepted
+    (log = /dev/null).
     """
     dir_fd, name = open_parent(path)
     try:

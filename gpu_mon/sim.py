@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, List, Optional, Tuple
 
 from gpu_mon.model import Gpu, GpuProcess, GpuReading
 
 MAX_SIM_BYTES = 1 << 20
+# GPU-/MIG- and then printable ASCII without blanks or commas: a comma or blank would split
+# CUDA_VISIBLE_DEVICES, a control character would garble the log. ("GPU-5a1c..." as in DESIGN.md is fine.)
+_UUID_RE = re.compile(r"^(GPU|MIG)-[!-+\--~]+$")
 
 
 class SimError(Exception):
@@ -56,6 +60,8 @@ class SimBackend:
             raise SimError(f"{self.path}: not UTF-8 text (bad byte at offset {err.start})") from None
         except ValueError as err:
             raise SimError(f"{self.path}: not valid JSON: {err}") from None
+        except RecursionError:
+            raise SimError(f"{self.path}: not valid JSON: nested too deeply") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
             raise SimError(f'{self.path}: expected an object with a "gpus" list')
         unknown = set(doc) - {"gpus"}
@@ -87,10 +93,10 @@ class SimBackend:
         if unknown:
             raise SimError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         uuid = g.get("uuid")
-        if not isinstance(uuid, str) or not uuid.startswith(("GPU-", "MIG-")) or len(uuid) < 5:
+        if not isinstance(uuid, str) or not _UUID_RE.match(uuid):
             raise SimError(f'{where}.uuid: expected a string like "GPU-5a1c..."')
         name = g.get("name", "Simulated GPU")
-        if not isinstance(name, str):
+        if name is not None and not isinstance(name, str):
             raise SimError(f"{where}.name: expected a string")
         device = g.get("device", f"dev/nvidia{index}")
         if not isinstance(device, str) or not device:
@@ -99,7 +105,7 @@ class SimBackend:
         error = g.get("error")
         if error is not None and not isinstance(error, str):
             raise SimError(f"{where}.error: expected a string")
-        errors: List[str] = []
+        errors: List[str] = [] if name is not None else ["name: unreadable (simulated)"]
         total = _int(g.get("memory_total_mib", 81559), f"{where}.memory_total_mib")
         used = _int(g.get("memory_used_mib", 0), f"{where}.memory_used_mib")
         util = _int(g.get("utilization_pct", 0), f"{where}.utilization_pct")

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""On a machine with an NVIDIA GPU: does a user's job ever hit out-of-memory because of our workload?
+
+    python bench/gpu_preempt.py [--trials 20] [--memory 88%]
+
+A real `gpu-mon run` (NVML backend) runs `gpu-mon stress --memory 88%` on GPU 0 (as a per-GPU workload).
+Each trial starts a foreign torch process that, right after CUDA initialisation, allocates half the GPU's
+memory at once, as a training job would. We record whether that allocation fails with out-of-memory, and
+how long after the foreign process started initialising CUDA NVML shows our workload's memory released.
+The foreign process then exits, and the daemon starts the workload again after its start delay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from background import median, percentile, table  # noqa: E402
+
+from gpu_mon.nvml import NvmlBackend  # noqa: E402
+
+FOREIGN = r"""
+import json, sys, time
+import torch
+t_init = time.monotonic_ns()
+torch.cuda.init()
+free, total = torch.cuda.mem_get_info()
+t_ready = time.monotonic_ns()
+try:
+    x = torch.empty(total // 2, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ok, err = True, ""
+except torch.OutOfMemoryError as e:
+    ok, err = False, str(e).splitlines()[0]
+t_alloc = time.monotonic_ns()
+print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok": ok, "err": err,
+                  "free_at_init_mib": free >> 20}), flush=True)
+"""
+
+
+def gpu0(backend: NvmlBackend):
+    return backend.read().gpus[0]
+
+
+def wait_for_workload(backend: NvmlBackend, ours: set, min_mib: int, timeout: float = 120) -> Optional[int]:
+    """Wait until a process that is not the foreign one holds >= min_mib; return NVML memory used."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        g = gpu0(backend)
+        held = [p for p in g.processes or () if (p.used_memory_mib or 0) >= min_mib]
+        if held:
+            ours.clear()
+            ours.update(p.pid for p in held)
+            return g.memory_used_mib
+        time.sleep(0.1)
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--memory", default="88%")
+    a = ap.parse_args()
+    backend = NvmlBackend()
+    first = backend.read()
+    if first.error or not first.gpus:
+        print(f"no GPU: {first.error}")
+        return 2
+    total = first.gpus[0].memory_total_mib
+    work = Path(tempfile.mkdtemp(prefix="gpu-mon-gpu-preempt-"))
+    conf = work / "gpu_mon.conf"
+    conf.write_text(
+        f"[defaults]\ninterval_seconds = 1\nstart_delay_seconds = 2\nstop_timeout_seconds = 5\n"
+        f"state_file = {work}/state.json\n[gpu-all]\ngpus = 0\n[process-stress]\nuser = root\n"
+        f"cmd = {sys.executable} -m gpu_mon stress --memory {a.memory} --report-seconds 30\n"
+        f"env = PYTHONPATH={ROOT}\n")
+    os.chmod(conf, 0o600)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(work / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until the end
+    daemon = subprocess.Popen([sys.executable, "-m", "gpu_mon", "--config", str(conf), "run"], stdout=log,
+                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    rows, results = [], []
+    try:
+        for trial in range(a.trials):
+            ours: set = set()
+            used = wait_for_workload(backend, ours, min_mib=total // 4)
+            if used is None:
+                print("the workload did not start; daemon log:")
+                print((work / "daemon.log").read_text()[-3000:])
+                return 1
+            ours_mib = used
+            foreign = subprocess.Popen([sys.executable, "-c", FOREIGN], stdout=subprocess.PIPE, text=True)
+            released_at: Optional[int] = None
+            while foreign.poll() is None or released_at is None:
+                g = gpu0(backend)
+                still = [p for p in g.processes or () if p.pid in ours]
+                if released_at is None and not still:
+                    released_at = time.monotonic_ns()
+                if foreign.poll() is not None and released_at is None and time.monotonic() > 0:
+                    # The foreign process has finished; keep polling until ours is gone (bounded below).
+                    pass
+                time.sleep(0.005)
+                if foreign.poll() is not None and released_at is None:
+                    deadline = time.monotonic() + 30
+                    while released_at is None and time.monotonic() < deadline:
+                        if not [p for p in gpu0(backend).processes or () if p.pid in ours]:
+                            released_at = time.monotonic_ns()
+                        time.sleep(0.005)
+                    break
+            out = json.loads(foreign.stdout.readline() or "{}")
+            foreign.wait()
+            if not out:
+                print(f"trial {trial}: the foreign process printed nothing (exit {foreign.returncode})")
+                continue
+            rel_ms = (released_at - out["t_init"]) / 1e6 if released_at else float("nan")
+            ready_ms = (out["t_ready"] - out["t_init"]) / 1e6
+            results.append((out["ok"], rel_ms, ready_ms, out["free_at_init_mib"]))
+            print(f"trial {trial + 1}: ours held {ours_mib} MiB; foreign cuInit->ready {ready_ms:.0f} ms, free at "
+                  f"its init {out['free_at_init_mib']} MiB, half-memory allocation "
+                  f"{'OK' if out['ok'] else 'OUT OF MEMORY: ' + out['err']}; our memory released "
+                  f"{rel_ms:.0f} ms after its cuInit", flush=True)
+        ok = [r for r in results if r[0]]
+        rel = [r[1] for r in results if r[1] == r[1]]
+        rows.append([len(results), len(results) - len(ok), f"{median(rel):.0f}", f"{percentile(rel, 99):.0f}",
+                     f"{max(rel):.0f}", f"{median([r[2] for r in results]):.0f}"])
+        print()
+        print(f"GPU 0: {first.gpus[0].name}, {total} MiB; workload: gpu-mon stress --memory {a.memory}")
+        print(table(["trials", "foreign OOMs", "release p50 ms", "p99 ms", "max ms", "foreign cuInit->ready p50 ms"],
+                    rows))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        log.close()
+        print("--- daemon log (last lines) ---")
+        print("\n".join((work / "daemon.log").read_text().splitlines()[-25:]))
+        shutil.rmtree(work, ignore_errors=True)
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
