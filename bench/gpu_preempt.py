@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -85,12 +85,18 @@ def main() -> int:
         f"[defaults]\ninterval_seconds = 1\nstart_delay_seconds = 2\nstop_timeout_seconds = 5\n"
         f"state_file = {work}/state.json\n[gpu-all]\ngpus = 0\n[process-stress]\nuser = root\n"
         f"cmd = {sys.executable} -m gpu_mon stress --memory {a.memory} --report-seconds 30\n"
-        f"env = PYTHONPATH={ROOT}\n")
+        f"env = PYTHONPATH={ROOT}\n"
+    )
     os.chmod(conf, 0o600)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = open(work / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until the end
-    daemon = subprocess.Popen([sys.executable, "-m", "gpu_mon", "--config", str(conf), "run"], stdout=log,
-                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "gpu_mon", "--config", str(conf), "run"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     rows, results = [], []
     try:
         for trial in range(a.trials):
@@ -103,22 +109,13 @@ def main() -> int:
             ours_mib = used
             foreign = subprocess.Popen([sys.executable, "-c", FOREIGN], stdout=subprocess.PIPE, text=True)
             released_at: Optional[int] = None
-            while foreign.poll() is None or released_at is None:
-                g = gpu0(backend)
-                still = [p for p in g.processes or () if p.pid in ours]
-                if released_at is None and not still:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # poll NVML every ~5 ms until ours is gone and theirs is done
+                if released_at is None and not [p for p in gpu0(backend).processes or () if p.pid in ours]:
                     released_at = time.monotonic_ns()
-                if foreign.poll() is not None and released_at is None and time.monotonic() > 0:
-                    # The foreign process has finished; keep polling until ours is gone (bounded below).
-                    pass
-                time.sleep(0.005)
-                if foreign.poll() is not None and released_at is None:
-                    deadline = time.monotonic() + 30
-                    while released_at is None and time.monotonic() < deadline:
-                        if not [p for p in gpu0(backend).processes or () if p.pid in ours]:
-                            released_at = time.monotonic_ns()
-                        time.sleep(0.005)
+                if released_at is not None and foreign.poll() is not None:
                     break
+                time.sleep(0.005)
             out = json.loads(foreign.stdout.readline() or "{}")
             foreign.wait()
             if not out:
@@ -127,18 +124,40 @@ def main() -> int:
             rel_ms = (released_at - out["t_init"]) / 1e6 if released_at else float("nan")
             ready_ms = (out["t_ready"] - out["t_init"]) / 1e6
             results.append((out["ok"], rel_ms, ready_ms, out["free_at_init_mib"]))
-            print(f"trial {trial + 1}: ours held {ours_mib} MiB; foreign cuInit->ready {ready_ms:.0f} ms, free at "
-                  f"its init {out['free_at_init_mib']} MiB, half-memory allocation "
-                  f"{'OK' if out['ok'] else 'OUT OF MEMORY: ' + out['err']}; our memory released "
-                  f"{rel_ms:.0f} ms after its cuInit", flush=True)
+            print(
+                f"trial {trial + 1}: ours held {ours_mib} MiB; foreign cuInit->ready {ready_ms:.0f} ms, "
+                f"free at its init {out['free_at_init_mib']} MiB, half-memory allocation "
+                f"{'OK' if out['ok'] else 'OUT OF MEMORY: ' + out['err']}; our memory released "
+                f"{rel_ms:.0f} ms after its cuInit",
+                flush=True,
+            )
         ok = [r for r in results if r[0]]
         rel = [r[1] for r in results if r[1] == r[1]]
-        rows.append([len(results), len(results) - len(ok), f"{median(rel):.0f}", f"{percentile(rel, 99):.0f}",
-                     f"{max(rel):.0f}", f"{median([r[2] for r in results]):.0f}"])
+        rows.append(
+            [
+                len(results),
+                len(results) - len(ok),
+                f"{median(rel):.0f}",
+                f"{percentile(rel, 99):.0f}",
+                f"{max(rel):.0f}",
+                f"{median([r[2] for r in results]):.0f}",
+            ]
+        )
         print()
         print(f"GPU 0: {first.gpus[0].name}, {total} MiB; workload: gpu-mon stress --memory {a.memory}")
-        print(table(["trials", "foreign OOMs", "release p50 ms", "p99 ms", "max ms", "foreign cuInit->ready p50 ms"],
-                    rows))
+        print(
+            table(
+                [
+                    "trials",
+                    "foreign OOMs",
+                    "release p50 ms",
+                    "p99 ms",
+                    "max ms",
+                    "foreign cuInit->ready p50 ms",
+                ],
+                rows,
+            )
+        )
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""On a machine with an NVIDIA GPU: what each NVML call costs, and whether `gpu-mon status` sees a CUDA process.
+"""On a machine with an NVIDIA GPU: what each NVML call costs; does `gpu-mon status` see a CUDA process?
 
     python bench/nvml_calls.py [--reads 200]
 
-1. Starts `python -c "import torch; x = torch.zeros(1, device='cuda'); input()"` and waits until NVML lists it.
+1. Starts `python -c "import torch; x = torch.zeros(1, device='cuda'); input()"`; waits until NVML lists it.
 2. Runs `gpu-mon status --json` with the real backend (no config) and checks that the process is listed on
    its GPU both by the device-node scan and by NVML.
 3. Times every NVML call gpu-mon makes, per GPU, over --reads looks (median and p99, microseconds), and one
@@ -39,10 +39,19 @@ def main() -> int:
         print(f"no GPU: {reading.error or 'NVML lists none'}")
         return 2
     for g in reading.gpus:
-        print(f"GPU {g.index}: {g.uuid} {g.name} minor {g.minor} node {g.device} "
-              f"{g.memory_used_mib}/{g.memory_total_mib} MiB util {g.utilization_pct}% errors {list(g.errors)}")
-    cuda = subprocess.Popen([sys.executable, "-c", "import torch; x = torch.zeros(1, device='cuda'); "
-                             "print('ready', flush=True); input()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        print(
+            f"GPU {g.index}: {g.uuid} {g.name} minor {g.minor} node {g.device} "
+            f"{g.memory_used_mib}/{g.memory_total_mib} MiB util {g.utilization_pct}% errors {list(g.errors)}"
+        )
+    cuda = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import torch; x = torch.zeros(1, device='cuda'); print('ready', flush=True); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert cuda.stdout.readline() == b"ready\n"
         t0 = time.monotonic()
@@ -54,16 +63,21 @@ def main() -> int:
         print(f"NVML lists the CUDA process after {time.monotonic() - t0:.2f} s")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         # No config on that machine: status takes one fresh look at the host with the real backend.
-        st = subprocess.run([sys.executable, "-m", "gpu_mon", "status", "--json"], capture_output=True, text=True,
-                            env=env)
+        st = subprocess.run(
+            [sys.executable, "-m", "gpu_mon", "status", "--json"], capture_output=True, text=True, env=env
+        )
         doc = json.loads(st.stdout)
         for g in doc["gpus"]:
             by_node = [h for h in g["holders"] if h["pid"] == cuda.pid]
             by_nvml = [h for h in g["nvml_processes"] if h["pid"] == cuda.pid]
-            print(f"status: GPU {g['index']} {g['uuid']}: busy={g['busy']}; CUDA pid {cuda.pid} in device "
-                  f"holders: {bool(by_node)}; in NVML processes: {bool(by_nvml)} "
-                  f"({by_nvml[0].get('used_memory_mib') if by_nvml else '-'} MiB); reasons: {g['reasons']}")
-        text = subprocess.run([sys.executable, "-m", "gpu_mon", "status"], capture_output=True, text=True, env=env)
+            print(
+                f"status: GPU {g['index']} {g['uuid']}: busy={g['busy']}; CUDA pid {cuda.pid} in device "
+                f"holders: {bool(by_node)}; in NVML processes: {bool(by_nvml)} "
+                f"({by_nvml[0].get('used_memory_mib') if by_nvml else '-'} MiB); reasons: {g['reasons']}"
+            )
+        text = subprocess.run(
+            [sys.executable, "-m", "gpu_mon", "status"], capture_output=True, text=True, env=env
+        )
         print(text.stdout)
         timings = defaultdict(list)
         whole = []
@@ -73,10 +87,19 @@ def main() -> int:
             whole.append(time.perf_counter() - t)
             for key, seconds in backend.last_timings.items():
                 timings[key].append(seconds)
-        rows = [[name, "all" if index < 0 else index, f"{median(v) * 1e6:.0f}", f"{percentile(v, 99) * 1e6:.0f}"]
-                for (name, index), v in sorted(timings.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
-        rows.append(["one whole look (read())", "all", f"{median(whole) * 1e6:.0f}", f"{percentile(whole, 99) * 1e6:.0f}"])
-        print(f"NVML call times over {a.reads} looks, {len(reading.gpus)} GPU(s), with one CUDA process running:")
+        rows = [
+            [name, "all" if index < 0 else index, f"{median(v) * 1e6:.0f}", f"{percentile(v, 99) * 1e6:.0f}"]
+            for (name, index), v in sorted(timings.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+        ]
+        rows.append(
+            [
+                "one whole look (read())",
+                "all",
+                f"{median(whole) * 1e6:.0f}",
+                f"{percentile(whole, 99) * 1e6:.0f}",
+            ]
+        )
+        print(f"NVML call times over {a.reads} looks, {len(reading.gpus)} GPU(s), one CUDA process running:")
         print(table(["call", "GPU", "median us", "p99 us"], rows))
     finally:
         cuda.kill()

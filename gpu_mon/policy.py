@@ -58,7 +58,7 @@ def _resolve_refs(
     if selection.all:
         return list(universe)
     out: List[str] = []
-    by_uuid = {g.uuid: g for g in gpus if g.uuid}
+    by_uuid = {g.uuid.lower(): g.uuid for g in gpus if g.uuid}  # NVML spells UUIDs in lower case
     for ref in selection.refs:
         if isinstance(ref, int):
             if ref >= len(gpus):
@@ -69,10 +69,10 @@ def _resolve_refs(
                 problems.append(f"{what}: GPU {ref}: its UUID cannot be read")
                 continue
         else:
-            if ref not in by_uuid:
+            uuid = by_uuid.get(str(ref).lower(), "")
+            if not uuid:
                 problems.append(f"{what}: no GPU with UUID {ref} on this host")
                 continue
-            uuid = str(ref)
         if uuid not in out:
             out.append(uuid)
     return out
@@ -85,7 +85,9 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
     rules: Dict[str, GpuSection] = {}
     for section in config.gpu_sections:
         for uuid in _resolve_refs(section.gpus, gpus, everything, f"[gpu-{section.name}] gpus", problems):
-            rules.setdefault(uuid, section)
+            first = rules.setdefault(uuid, section)
+            if first is not section:  # one by index, the other by UUID: only the host can tell
+                problems.append(f"[gpu-{section.name}] gpus: {uuid} is already named by [gpu-{first.name}]")
     watched = [u for u in everything if u in rules]
     instances: List[Instance] = []
     for proc in config.processes:

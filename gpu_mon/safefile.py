@@ -39,19 +39,20 @@ def _check_dir(fd: int, path: str, trusted_uid: Optional[int]) -> None:
         raise UnsafeFile(f"{path}: directory is writable by group or others (refused)")
 
 
-def open_parent(path: str, trusted_uid: Optional[int] = None) -> tuple:
+def open_parent(path: str, trusted_uid: Optional[int] = None, resolve: bool = True) -> tuple:
     """Open the directory of `path` component by component; return (dir_fd, final name).
 
     With `trusted_uid`, every directory must be owned by root (or that uid) and not group/other writable.
-    Symlinks in the directory part are resolved once up front (e.g. /var/run -> /run); the walk then
-    refuses any component that has become a symlink since.
+    With `resolve`, symlinks in the directory part are resolved once up front (e.g. /var/run -> /run) and the
+    walk then refuses any component that has become a symlink since; that is only safe together with the
+    ownership checks. Without `resolve`, a symlink anywhere in the directory part is refused.
     """
     given = path
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     if not name:
         raise UnsafeFile(f"{path}: not a file name")
-    real_parent = os.path.realpath(parent)
+    real_parent = os.path.realpath(parent) if resolve else os.path.normpath(parent)
     fd = os.open("/", _DIR_FLAGS)
     try:
         _check_dir(fd, "/", trusted_uid)
@@ -118,14 +119,15 @@ def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes
 
 
 def open_append(path: str, mode: int = 0o640) -> int:
-    """Open (creating) a log file for appending; the final component is never followed if it is a symlink.
+    """Open (creating) a log file for appending, as root, on behalf of a workload's user.
 
-    Symlinks in the directory part are resolved once up front (see open_parent), so a symlinked directory
-    that exists before the call is followed; one swapped in during the walk is refused. Returns a blocking
+    No symlink is followed anywhere in the path, and a regular file with more than one link is refused: a
+    user who can write to a directory of the path could otherwise point root's appends at any file (a
+    symlinked directory, or a hard link to /etc/shadow where protected_hardlinks is off). Returns a blocking
     O_WRONLY|O_APPEND descriptor. Refuses FIFOs, sockets and directories; a character device is accepted
     (log = /dev/null).
     """
-    dir_fd, name = open_parent(path)
+    dir_fd, name = open_parent(path, resolve=False)
     try:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
@@ -138,5 +140,8 @@ def open_append(path: str, mode: int = 0o640) -> int:
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
         os.close(fd)
         raise UnsafeFile(f"{path}: not a regular file or character device")
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        os.close(fd)
+        raise UnsafeFile(f"{path}: has {st.st_nlink} hard links (refused: it could be another file)")
     os.set_blocking(fd, True)
     return fd

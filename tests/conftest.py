@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 
 
 def wait_for(
-    condition: Callable[[], object], timeout: float = 10.0, what: str = "condition", interval: float = 0.02
+    condition: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.02
 ) -> object:
     """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -184,7 +184,7 @@ class Daemon:
         """Everything the daemon logged so far."""
         return self.log_path.read_text(errors="replace")
 
-    def wait_log(self, pattern: str, timeout: float = 10.0, count: int = 1) -> List[str]:
+    def wait_log(self, pattern: str, timeout: float = 20.0, count: int = 1) -> List[str]:
         """Wait until `pattern` (a regex) matches `count` log lines; return the matching lines."""
         rx = re.compile(pattern)
 
@@ -211,7 +211,7 @@ class Daemon:
                 return w
         return {}
 
-    def wait_running(self, label: str, timeout: float = 10.0) -> int:
+    def wait_running(self, label: str, timeout: float = 20.0) -> int:
         """Wait until a workload runs and has reported its command's pid; return that pid."""
 
         def running() -> int:

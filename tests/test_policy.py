@@ -380,3 +380,15 @@ def test_unwatched_gpus_get_a_verdict_but_no_workload():
 def test_stops_confirmed_needs_both_looks():
     a, b = Stop("x", "r"), Stop("y", "r")
     assert policy.stops_confirmed([a, b], [b]) == (b,)
+
+
+def test_resolve_same_gpu_by_index_and_uuid_in_two_sections():
+    c = cfg.parse("[gpu-a]\ngpus = 0\n[gpu-b]\ngpus = GPU-AAAA\n", "/t.conf")
+    plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
+    assert plan.problems == (f"[gpu-b] gpus: {U0} is already named by [gpu-a]",)
+
+
+def test_resolve_uuids_case_insensitively():
+    c = cfg.parse(f"[gpu-a]\ngpus = {U1.upper()}\n", "/t.conf")
+    plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
+    assert plan.problems == () and list(plan.rules) == [U1]

@@ -157,19 +157,33 @@ def test_symlink_to_dev_null_is_refused(tmp_path):
     assert "is a symlink" in refusal(link)
 
 
-def test_symlinked_directory_present_before_the_call_is_resolved_once(tmp_path):
-    """Like /var/run -> /run: a directory symlink that already exists is resolved, and the log lands in the
-    real directory. (What is refused is a component that turns into a symlink after that; see below.)"""
+def test_symlinked_directory_in_a_log_path_is_refused(tmp_path):
+    """A user who owns a directory of the log path could point root's appends anywhere with a symlink."""
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "logs").symlink_to(real)
-    append(tmp_path / "logs" / "w.log", b"x")
-    assert (real / "w.log").read_bytes() == b"x"
+    assert refusal(tmp_path / "logs" / "w.log") == (
+        f"{tmp_path / 'logs'}: a path component is not a directory (or is a symlink)"
+    )
+    assert os.listdir(real) == []
+
+
+def test_hard_linked_log_file_is_refused(tmp_path):
+    """A hard link to a file the user does not own (protected_hardlinks off) must not be appended to."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    os.link(victim, tmp_path / "w.log")
+    assert (
+        refusal(tmp_path / "w.log")
+        == f"{tmp_path / 'w.log'}: has 2 hard links (refused: it could be another file)"
+    )
+    assert victim.read_bytes() == b"precious\n"
 
 
 def test_directory_swapped_for_a_symlink_during_the_walk_is_refused(tmp_path, monkeypatch):
-    """The race open_append defends against: after the parent was resolved, an attacker replaces a directory
-    of the path by a symlink to somewhere else. The O_NOFOLLOW walk refuses that component."""
+    """The race open_parent defends against (for configs, whose directories must also be root's): after the
+    parent was resolved, an attacker replaces a directory of the path by a symlink. The O_NOFOLLOW walk
+    refuses that component."""
     logs = tmp_path / "logs"
     logs.mkdir()
     elsewhere = tmp_path / "elsewhere"
@@ -185,7 +199,7 @@ def test_directory_swapped_for_a_symlink_during_the_walk_is_refused(tmp_path, mo
 
     monkeypatch.setattr(safefile.os.path, "realpath", resolve_then_swap)
     with pytest.raises(UnsafeFile) as info:
-        safefile.open_append(str(logs / "w.log"))
+        safefile.open_parent(str(logs / "w.log"))
     monkeypatch.undo()
     assert str(info.value) == f"{logs}: a path component is not a directory (or is a symlink)"
     assert os.listdir(elsewhere) == []
