@@ -168,9 +168,19 @@ class Daemon:
             timeout = self._timeout()
             events = self.selector.select(timeout)
             now = self.clock()
-            self._handle(events, now)
+            try:
+                self._handle(events, now)
+            except Exception:  # a bug must not take the workloads' supervisor down with it
+                self._internal_error(now)
         self._finish()
         return 0
+
+    def _internal_error(self, now: float) -> None:
+        """Fail closed after an unexpected error: stop every workload, keep running, try again next round."""
+        log.exception("internal error (please report it); stopping every workload to be safe")
+        self.decisions.append({"wall": self.wall(), "text": "internal error: stopping every workload"})
+        self.supervisor.stop_all("internal error in gpu-mon", now)
+        self.next_poll = now + self.config.defaults.interval_seconds
 
     def _timeout(self) -> float:
         now = self.clock()
