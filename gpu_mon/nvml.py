@@ -60,7 +60,10 @@ class NvmlBackend:
         try:
             nv = self._module()
         except ImportError:
-            return "NVML: the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+            return (
+                "NVML: the Python bindings are not installed "
+                "(pip install nvidia-ml-py, or Debian's python3-pynvml from contrib)"
+            )
         try:
             nv.nvmlInit()
         except nv.NVMLError as err:

@@ -12,6 +12,7 @@ from gpu_mon import holders, procfs, sessions
 from gpu_mon.model import GpuReading, Holder, Snapshot, TtyUser
 
 log = logging.getLogger(__name__)
+_OURS_MEMORY_SECONDS = 30.0
 
 
 class Backend(Protocol):
@@ -44,6 +45,7 @@ class Observer:
         self._denied_logged: Set[int] = set()
         self._starts: Dict[int, int] = {}
         self._ancestors: Set[int] = set()
+        self._ours_seen: Dict[int, float] = {}  # pid -> when it was last seen as ours (monotonic)
 
     def read_gpus(self) -> GpuReading:
         """Read the backend and point the holder scan at the current device nodes."""
@@ -106,17 +108,37 @@ class Observer:
 
     def _classify(self, h: Holder, ours: Set[int]) -> Holder:
         if self.is_ours(h.pid, h.sid, ours):
+            self._ours_seen[h.pid] = time.monotonic()
             return Holder(**{**h.__dict__, "ours": True})
         return h
 
     def nvml_processes(self, ours: Set[int]) -> Tuple[Holder, ...]:
         """Owners of the processes NVML lists (pid namespaces aside, these are host pids)."""
         out = []
+        now = time.monotonic()
+        self._ours_seen = {p: t for p, t in self._ours_seen.items() if now - t < _OURS_MEMORY_SECONDS}
         for gpu in self.reading.gpus:
+            gpus = frozenset([gpu.uuid] if gpu.uuid else [])
             for p in gpu.processes or ():
-                h = holders.describe(p.pid, frozenset([gpu.uuid] if gpu.uuid else []), self.proc)
+                h = holders.describe(p.pid, gpus, self.proc)
                 if h is not None:
                     out.append(self._classify(h, ours))
+                elif p.pid in self._ours_seen:
+                    # NVML goes on listing a process for about a second after it exited (seen on an H100,
+                    # driver 580) while the driver tears its context down: one of ours stays ours.
+                    out.append(
+                        Holder(
+                            pid=p.pid,
+                            start_ticks=0,
+                            name="(exited)",
+                            argv0="",
+                            uid=None,
+                            user="?",
+                            sid=0,
+                            gpus=gpus,
+                            ours=True,
+                        )
+                    )
         return tuple(out)
 
     def ttys(self, patterns: Iterable[str]) -> Tuple[TtyUser, ...]:

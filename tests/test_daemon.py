@@ -395,3 +395,21 @@ def test_second_daemon_on_same_state_file_is_refused(tmp_path, sim, daemon_facto
     assert r.returncode == 1
     assert "another gpu-mon daemon is running" in r.stderr
     assert d.proc.poll() is None
+
+
+def test_exited_workload_still_listed_by_nvml_stays_ours(tmp_path, sim, daemon_factory):
+    # NVML lists a process for a while after it exited (driver teardown): that must not look foreign.
+    d = daemon_factory(miner(tmp_path))
+    pid = d.wait_running("miner")
+    sim.set(0, processes=[{"pid": pid, "used_memory_mib": 4000}], memory_used_mib=4000)
+    wait_for(lambda: any(p["pid"] == pid for p in d.state()["gpus"][0]["nvml_processes"]), what="NVML view")
+    d.write_config(d.body.replace("user = root", "user = root\nenv = EXTRA=2"))
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"reloaded .*changed: miner")
+    wait_for(lambda: not pid_alive(pid), what="old workload gone")
+    new = d.wait_running("miner")
+    assert new != pid
+    since = time.time()
+    wait_for(lambda: d.state().get("updated_wall", 0) > since + 0.5, what="a few more rounds")
+    assert "not visible here" not in d.log() and "used by others" not in d.log()
+    assert d.state()["gpus"][0]["busy"] is False

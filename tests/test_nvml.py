@@ -356,7 +356,10 @@ def test_missing_pynvml_package(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pynvml)
     reading = NvmlBackend().read()
     assert reading.gpus == ()
-    assert reading.error == "NVML: the nvidia-ml-py package is not installed (pip install nvidia-ml-py)"
+    assert reading.error == (
+        "NVML: the Python bindings are not installed "
+        "(pip install nvidia-ml-py, or Debian's python3-pynvml from contrib)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
