@@ -1,7 +1,5 @@
 """`python -m gpu_mon` is `gpu-mon`."""
 
-import sys
+from gpu_mon.cli import console_main
 
-from gpu_mon.cli import main
-
-sys.exit(main())
+console_main()

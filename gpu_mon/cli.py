@@ -7,6 +7,7 @@ is wrong and where; a traceback only with --debug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -275,5 +276,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_FAILURE
 
 
+def console_main() -> None:
+    """The `gpu-mon` executable and `python -m gpu_mon`: main(), then exit at once.
+
+    A CUDA context is released only when its process exits, and with torch loaded the interpreter's own
+    teardown takes 0.4-0.6 s more (measured on an H100): exiting right away hands a stopped stressor's GPU
+    back that much sooner. Everything main() owns is closed by the time it returns.
+    """
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
