@@ -117,16 +117,9 @@ class SimBackend:
         procs = self._processes(g.get("processes", []), where)
         if procs is None:
             errors.append("compute processes: unreadable (simulated)")
-        if error:
-            return Gpu(
-                index=index,
-                uuid=uuid,
-                name=name,
-                minor=index,
-                device=device,
-                processes=None,
-                errors=(f"gpu: {error}",),
-            )
+        if error:  # the whole GPU unreadable, as NVML_ERROR_GPU_IS_LOST would make it
+            total = used = util = procs = None
+            errors = [f"gpu: {error}"]
         return Gpu(
             index=index,
             uuid=uuid,

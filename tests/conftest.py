@@ -60,6 +60,20 @@ def wait_for(
         time.sleep(interval)
 
 
+@pytest.fixture
+def alarm():
+    """Fail (instead of hanging the suite) if the test blocks for 5 seconds."""
+
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError("blocked: the call hung")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
 def pid_alive(pid: int) -> bool:
     """Alive and not a zombie."""
     try:

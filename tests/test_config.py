@@ -10,7 +10,6 @@ import math
 import os
 import pwd
 import re
-import signal
 import socket
 from pathlib import Path
 
@@ -159,20 +158,6 @@ def load_errors(path, trusted_uid=None):
     with pytest.raises(ConfigError) as info:
         config.load(str(path), trusted_uid)
     return info.value.errors
-
-
-@pytest.fixture
-def alarm():
-    """Fail (instead of hanging the suite) if the test blocks for 5 seconds."""
-
-    def hung(signum, frame):
-        raise TimeoutError("blocked: the call hung")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(5)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import signal
 import socket
 import stat
 
@@ -19,19 +18,8 @@ import pytest
 from gpu_mon import safefile
 from gpu_mon.safefile import UnsafeFile
 
-
-@pytest.fixture(autouse=True)
-def alarm():
-    """A call that blocks (a FIFO opened without O_NONBLOCK) fails the test after 5 s instead of hanging."""
-
-    def hung(signum, frame):
-        raise TimeoutError("blocked: the call hung")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(5)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+# A call that blocks (a FIFO opened without O_NONBLOCK) fails its test after 5 s instead of hanging.
+pytestmark = pytest.mark.usefixtures("alarm")
 
 
 @pytest.fixture
