@@ -65,7 +65,7 @@ class Defaults:
     restart_delay_seconds: float = 10.0
     restart_delay_max_seconds: float = 600.0
     healthy_run_seconds: float = 60.0
-    full_scan_seconds: float = 30.0
+    full_scan_seconds: float = 60.0
     watch_opens: bool = True
     state_file: str = "/run/gpu_mon/state.json"
 

@@ -29,8 +29,15 @@ def build(
     decisions: Iterable[dict] = (),
     daemon: Optional[dict] = None,
     source: str = "",
+    wall: Optional[float] = None,
 ) -> dict:
-    """The whole status document."""
+    """The whole status document. Times are wall-clock seconds (rounded), so that a document that nothing
+    changed in stays the same from round to round, and durations are computed when it is shown."""
+    wall = time.time() if wall is None else wall
+
+    def since(monotonic: float) -> int:
+        return round(wall - (snap.now - monotonic))
+
     running = {w["key"]: w for w in workloads}
     by_gpu: Dict[str, str] = {}
     for key, w in running.items():
@@ -60,7 +67,7 @@ def build(
                 "state": state,
                 "busy": verdict.busy if verdict else True,
                 "reasons": list(verdict.reasons) if verdict else ["not evaluated"],
-                "free_for_seconds": round(snap.now - verdict.free_since, 1)
+                "free_since_wall": since(verdict.free_since)
                 if verdict and verdict.free_since is not None
                 else None,
                 "holders": [
@@ -96,7 +103,7 @@ def build(
         {
             "device": t.device,
             "user": t.user,
-            "idle_seconds": round(t.idle_seconds, 1),
+            "active_wall": round(wall - t.idle_seconds),
             "pauses_work": t in hot,
         }
         for t in snap.ttys
@@ -118,7 +125,7 @@ def build(
                 state="stopping" if w.get("stopping") else "running",
                 pid=w.get("pid"),
                 command_pid=w.get("command_pid"),
-                uptime_seconds=round(snap.now - w["started_at"], 1),
+                started_wall=since(w["started_at"]),
                 why=w.get("stop_reason", ""),
             )
         else:
@@ -131,7 +138,7 @@ def build(
         "source": source,
         "daemon": daemon,
         "config": config.path if config else None,
-        "updated_wall": time.time(),
+        "updated_wall": wall,
         "error": snap.reading.error,
         "problems": list(plan.problems),
         "denied": [{"pid": d.pid, "user": d.user, "name": d.name} for d in snap.denied],
@@ -164,13 +171,14 @@ def _who(h: dict) -> str:
 
 def render(doc: dict) -> str:
     """The status document as text for a terminal."""
+    now = time.time()
     lines: List[str] = []
     d = doc.get("daemon")
     if d:
         up = _duration(time.time() - d["started_wall"]) if d.get("started_wall") else "?"
         lines.append(
             f"gpu-mon {doc.get('gpu_mon')}: daemon running (pid {d['pid']}, up {up}); "
-            f"config {doc.get('config')}; updated {_duration(time.time() - doc['updated_wall'])} ago"
+            f"config {doc.get('config')}; changed {_duration(now - doc['updated_wall'])} ago"
         )
     else:
         lines.append(
@@ -196,8 +204,8 @@ def render(doc: dict) -> str:
         )
         util = f"{g['utilization_pct']}%" if g["utilization_pct"] is not None else "?%"
         state = g["state"]
-        if state == "free" and g.get("free_for_seconds") is not None:
-            state = f"free for {_duration(g['free_for_seconds'])}"
+        if state == "free" and g.get("free_since_wall") is not None:
+            state = f"free for {_duration(now - g['free_since_wall'])}"
         elif state == "busy" and g["reasons"]:
             state = f"busy: {g['reasons'][0]}"
         watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
@@ -212,14 +220,15 @@ def render(doc: dict) -> str:
     if not doc.get("gpus"):
         lines.append("No GPUs found.")
     terms = doc.get("terminals", [])
-    recent = [t for t in terms if t["idle_seconds"] < 86400 or t["pauses_work"]]
+    recent = [t for t in terms if now - t["active_wall"] < 86400 or t["pauses_work"]]
     if terms:
         lines.append("")
         lines.append(f"Terminals ({len(terms) - len(recent)} more idle for over a day):")
-        for t in sorted(recent, key=lambda t: t["idle_seconds"])[:20]:
+        for t in sorted(recent, key=lambda t: -t["active_wall"])[:20]:
             mark = "  <- pauses work" if t["pauses_work"] else ""
             lines.append(
-                f"    {t['device']:<12} {sanitize(t['user']):<12} idle {_duration(t['idle_seconds'])}{mark}"
+                f"    {t['device']:<12} {sanitize(t['user']):<12} "
+                f"idle {_duration(now - t['active_wall'])}{mark}"
             )
     if doc.get("paused_by"):
         lines.append(f"All work paused for terminal users: {'; '.join(doc['paused_by'])}")
@@ -229,7 +238,7 @@ def render(doc: dict) -> str:
         for w in doc["workloads"]:
             if w["state"] in ("running", "stopping"):
                 pid = w.get("command_pid") or w.get("pid")
-                what = f"{w['state']}  pid {pid}, up {_duration(w['uptime_seconds'])}"
+                what = f"{w['state']}  pid {pid}, up {_duration(now - w['started_wall'])}"
             else:
                 what = w.get("why") or w["state"]
             extra = f"  restarts {w['restarts']}" if w["restarts"] else ""

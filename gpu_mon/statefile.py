@@ -18,7 +18,7 @@ def write(path: str, doc: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".state.", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=False)
+            json.dump(doc, f, separators=(",", ":"))
             f.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
