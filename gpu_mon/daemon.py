@@ -329,7 +329,7 @@ class Daemon:
                 if w is None:
                     continue
                 self.supervisor.stop(action.key, action.reason, now)
-                self._say(f"{action.reason}; stopping {w.label}[{w.command_pid or w.pid}]")
+                self._say(f"{action.reason}; stopping {w.label}[{w.pid}]")
             elif isinstance(action, Start) and not self.stop_requested:
                 inst = action.instance
                 section = sections[inst.process]

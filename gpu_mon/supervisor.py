@@ -265,7 +265,7 @@ class Supervisor:
         if len(w.out_buf) > _MAX_LINE or (final and w.out_buf):
             lines.append(w.out_buf)
             w.out_buf = b""
-        pid = w.command_pid or w.pid
+        pid = w.pid  # the workload's session and process group id, as in every other log line about it
         for raw in lines:
             text = raw.decode("utf-8", "backslashreplace").rstrip("\r")
             log.info("%s[%d]: %s", w.label, pid, procfs.sanitize(text, limit=_MAX_LINE))

@@ -370,8 +370,9 @@ def test_broken_sim_file_makes_every_gpu_busy(tmp_path, sim, daemon_factory):
 def test_workload_output_is_tagged_and_cannot_forge_lines(tmp_path, sim, daemon_factory):
     # The workload prints an escape sequence, a carriage return and a newline-free fake daemon line.
     d = daemon_factory(miner(tmp_path, "--say", r"<0>EMERGENCY\x1b[31m fake\rgpu-mon[1] ERROR forged\x85x"))
-    pid = d.wait_running("miner")
-    line = d.wait_log(rf"miner\[{pid}\]: <0>EMERGENCY")[0]
+    d.wait_running("miner")
+    session = d.workload("miner")["pid"]  # lines are tagged with the workload's session id
+    line = d.wait_log(rf"miner\[{session}\]: <0>EMERGENCY")[0]
     assert "\x1b" not in line and "\r" not in line and "\x85" not in line
     assert "\\x1b[31m fake\\x0dgpu-mon[1] ERROR forged\\x85x" in line
     assert line.index(" INFO ") < line.index("<0>")
