@@ -58,15 +58,14 @@ class Observer:
         """Device nodes of every readable GPU (for inotify)."""
         return tuple(g.device for g in self.reading.gpus if g.device and g.uuid not in self.node_errors)
 
-    def scan(self, mode: str, sessions_of_ours: Iterable[int] = (), pids: Iterable[int] = ()) -> bool:
-        """Scan holders: mode 'full', 'changed' (incremental) or 'pids'. Return whether anything changed."""
+    def scan(self, mode: str, sessions_of_ours: Iterable[int] = (), pids: Iterable[int] = ()) -> None:
+        """Scan holders: mode 'full', 'changed' (incremental) or 'pids' (just those)."""
         if mode == "full":
             result = self.scanner.full()
         elif mode == "pids":
             result = self.scanner.full(pids=[str(p) for p in pids])
         else:
             result = self.scanner.changed()
-        before = {(h.pid, h.start_ticks, h.gpus) for h in self.holders}
         ours = set(sessions_of_ours)
         found = []
         reused = []
@@ -98,7 +97,6 @@ class Observer:
                 "" if os.geteuid() == 0 else "; run gpu-mon as root to see every process",
             )
             self._denied_logged |= new_denied
-        return before != {(h.pid, h.start_ticks, h.gpus) for h in self.holders}
 
     def is_ours(self, pid: int, sid: int, ours: Set[int]) -> bool:
         """In the session of one of our workloads, or a descendant of gpu_mon (which covers escapees)."""

@@ -119,10 +119,6 @@ def ignored_name(name: str, user: str, rules: GpuSection) -> bool:
     return name in ALWAYS_IGNORED or name in rules.ignore_programs or user in rules.ignore_users
 
 
-def _gpu_name(gpu: Optional[Gpu], uuid: str) -> str:
-    return gpu.label if gpu else f"GPU ({uuid})"
-
-
 def gpu_verdict(
     uuid: str, rules: GpuSection, snap: Snapshot, first_seen: Dict[tuple, float]
 ) -> Tuple[bool, List[str]]:
