@@ -85,7 +85,6 @@ class Daemon:
         self.watchdog_every = watchdog_interval()
         self.next_watchdog = 0.0
         self.state_error_logged = False
-        self.state_paused = False
         self.published: Optional[dict] = None
         stat = read_stat(os.getpid())
         self.start_ticks = stat.start_ticks if stat else 0
@@ -188,7 +187,7 @@ class Daemon:
         deadlines = [self.next_poll]
         if self.decision and self.decision.next_wake is not None:
             deadlines.append(self.decision.next_wake)
-        kill = self.supervisor.tick(now)
+        kill = self.supervisor.next_kill()
         if kill is not None:
             deadlines.append(kill)
         if self.watchdog_every:
@@ -370,12 +369,11 @@ class Daemon:
                 elif uuid in self.last_busy:
                     self._say(f"GPU {index} ({uuid}) free")
                 self.last_busy[uuid] = v.busy
-        was = self.state_paused
+        was = bool(self.decision and self.decision.paused_by)  # the previous round's decision
         if decision.paused_by and not was:
             self._say(f"pausing all work: terminal user {decision.paused_by[0]}")
         elif was and not decision.paused_by:
             self._say("terminal users idle again: work may resume")
-        self.state_paused = bool(decision.paused_by)
 
     def _say(self, text: str, level: int = logging.INFO) -> None:
         log.log(level, "%s", text)

@@ -197,7 +197,6 @@ class PolicyState:
     free_since: dict = field(default_factory=dict)  # uuid -> monotonic time it became free
     first_seen: dict = field(default_factory=dict)  # (pid, start_ticks, uuid) -> monotonic time
     backoff: dict = field(default_factory=dict)  # instance key -> Backoff
-    paused_by: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -282,9 +282,7 @@ def decide(config: Config, plan: Plan, snap: Snapshot, state: PolicyState) -> De
     for key, r in running.items():
         if key not in planned and not r.stopping:
             actions.append(Stop(key, "no longer in the config"))
-    new_state = PolicyState(
-        free_since=free_since, first_seen=first_seen, backoff=backoff, paused_by=paused_by
-    )
+    new_state = PolicyState(free_since=free_since, first_seen=first_seen, backoff=backoff)
     return Decision(
         actions=tuple(actions),
         state=new_state,

@@ -186,25 +186,25 @@ class Supervisor:
         for key in list(self.workloads):
             self.stop(key, reason, now)
 
-    def tick(self, now: float) -> Optional[float]:
-        """Escalate overdue stops to SIGKILL; return when to call again."""
-        soonest: Optional[float] = None
+    def next_kill(self) -> Optional[float]:
+        """When `tick` next has something to escalate (monotonic), or None."""
+        return min((w.kill_at for w in self.workloads.values() if w.kill_at is not None), default=None)
+
+    def tick(self, now: float) -> None:
+        """Escalate overdue stops to SIGKILL (and again each second until the leader is gone)."""
         for w in self.workloads.values():
-            if w.kill_at is None:
+            if w.kill_at is None or now < w.kill_at:
                 continue
-            if now >= w.kill_at:
-                if not w.killed:
-                    log.warning(
-                        "%s[%d] still running %.0f s after SIGTERM; sending SIGKILL to its process group",
-                        w.label,
-                        w.pid,
-                        self.stop_timeout,
-                    )
-                w.killed = True
-                _killpg(w.pid, signal.SIGKILL)
-                w.kill_at = now + 1.0  # and again each second until the leader is gone
-            soonest = w.kill_at if soonest is None else min(soonest, w.kill_at)
-        return soonest
+            if not w.killed:
+                log.warning(
+                    "%s[%d] still running %.0f s after SIGTERM; sending SIGKILL to its process group",
+                    w.label,
+                    w.pid,
+                    self.stop_timeout,
+                )
+            w.killed = True
+            _killpg(w.pid, signal.SIGKILL)
+            w.kill_at = now + 1.0
 
     # ------------------------------------------------------------------ events
 
