@@ -84,7 +84,10 @@ def test_own_holders_never_preempt_and_foreign_opener_stops_whole_group(
         held = {h["pid"] for h in d.state().get("gpus", [{}])[0].get("holders", []) if h["ours"]}
         return held >= set(family)
 
-    wait_for(seen_all, what="both holders seen as ours")
+    try:
+        wait_for(seen_all, what="both holders seen as ours")
+    except AssertionError:
+        raise AssertionError(f"family {family}; state {d.state()}; log:\n{d.log()}") from None
     assert d.workload("miner")["state"] == "running"
     assert not [h for h in d.state()["gpus"][0]["holders"] if not h["ours"]]
     assert "stopping" not in d.log()
