@@ -4,10 +4,11 @@ A character device matches by `st_rdev`, so a process holding the node under ano
 /dev) is found too; the simulator's regular files match by (st_dev, st_ino), so hard links are found.
 /dev/nvidiactl and /dev/nvidia-uvm are not GPU nodes and attribute nothing.
 
-A full scan stats every fd of every process (~50 ms for 1000 processes with 10 fds each on a 2-core VM).
+A full scan stats every fd of every process (50-95 ms for 1000 processes with 10 fds each on a 2-core VM).
 The incremental scan (`changed`) re-reads only processes that are new, or whose open-fd count changed: since
-Linux 6.2 `stat(/proc/PID/fd).st_size` is that count, so a look at 1000 processes costs ~5 ms. An fd closed
-and another opened in its place keeps the count, so callers still run a full scan regularly and whenever an
+Linux 6.2 `stat(/proc/PID/fd).st_size` is that count, so a look at 1000 processes costs ~5-10 ms (the same
+stat's inode and ctime tell a reused pid from the process that had it before). An fd closed and another
+opened in its place keeps the count, so callers still run a full scan regularly and whenever an
 open event is not explained by the incremental one.
 """
 
@@ -76,7 +77,10 @@ def fd_count_supported(proc: str = procfs.PROC) -> bool:
 
 @dataclass
 class _Entry:
-    fd_count: int
+    # (inode, ctime, size) of /proc/PID/fd: size is the open-fd count; the inode and its ctime belong to this
+    # process's proc entry, so a pid reused by a new process between two scans (pid_max can be 32768) never
+    # matches an old entry, even with the same number of fds.
+    signature: Optional[Tuple[int, int, int]]
     gpus: object  # frozenset of UUIDs, or _DENIED
 
 
@@ -100,11 +104,12 @@ class HolderScanner:
         self._cache: Dict[str, _Entry] = {}
         self._targets: Dict[DevKey, str] = {}
 
-    def _fd_count(self, pid: str) -> int:
+    def _signature(self, pid: str) -> Optional[Tuple[int, int, int]]:
         try:
-            return os.stat(f"{self.proc}/{pid}/fd").st_size
+            st = os.stat(f"{self.proc}/{pid}/fd")
         except OSError:
-            return -1
+            return None
+        return (st.st_ino, st.st_ctime_ns, st.st_size)
 
     def _read_fds(self, pid: str) -> object:
         """GPUs held by one process: a frozenset, _DENIED, or None if it vanished."""
@@ -160,13 +165,13 @@ class HolderScanner:
         for pid in pids:
             if pid in self.skip:
                 continue
-            count = self._fd_count(pid) if self.incremental else 0
+            signature = self._signature(pid) if self.incremental else None
             gpus = self._read_fds(pid)
             result.rescanned.add(int(pid))
             if gpus is None:
                 self._cache.pop(pid, None)
             else:
-                self._cache[pid] = _Entry(count, gpus)
+                self._cache[pid] = _Entry(signature, gpus)
         return self._result(result)
 
     def changed(self) -> ScanResult:
@@ -179,9 +184,9 @@ class HolderScanner:
             if pid in self.skip:
                 continue
             live.add(pid)
-            count = self._fd_count(pid)
+            signature = self._signature(pid)
             entry = self._cache.get(pid)
-            if entry is not None and entry.fd_count == count and count >= 0:
+            if entry is not None and signature is not None and entry.signature == signature:
                 continue
             gpus = self._read_fds(pid)
             result.rescanned.add(int(pid))
@@ -189,7 +194,7 @@ class HolderScanner:
                 self._cache.pop(pid, None)
                 live.discard(pid)
             else:
-                self._cache[pid] = _Entry(count, gpus)
+                self._cache[pid] = _Entry(signature, gpus)
         for pid in list(self._cache):
             if pid not in live:
                 del self._cache[pid]

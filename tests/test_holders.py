@@ -287,3 +287,18 @@ def test_fd_count_probe_matches_kernel():
     finally:
         os.close(fd)
     assert holders.fd_count_supported() is supported
+
+
+def test_incremental_scan_does_not_trust_an_entry_left_by_a_reused_pid(devices, holding):
+    # pid_max can be 32768, so between two scans a pid may die and be given to a new process with the same
+    # number of open fds. The cache must not take the new process for the old one.
+    s = scanner_for(*devices)
+    p = holding.start(devices[0])
+    s.full()
+    entry = s._cache[str(p.pid)]
+    assert entry.gpus == {"GPU-0"}
+    ino, ctime, count = entry.signature
+    # What the cache would hold had another process with this pid and fd count held nothing.
+    s._cache[str(p.pid)] = holders._Entry((ino + 1, ctime - 1, count), frozenset())
+    result = s.changed()
+    assert result.held[p.pid] == {"GPU-0"} and p.pid in result.rescanned
