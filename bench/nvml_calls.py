@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background import median, percentile, table  # noqa: E402
 
-from gpu_mon.nvml import NvmlBackend  # noqa: E402
+from gpu_mon.api.nvml import NvmlBackend  # noqa: E402
 
 
 def main() -> int:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from background import Background, median, table
 
-from gpu_mon import holders
-from gpu_mon.model import Gpu
+from gpu_mon.api import holders
+from gpu_mon.api.model import Gpu
 
 
 def fuser_pids(path: str) -> set:

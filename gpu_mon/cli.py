@@ -16,7 +16,10 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from gpu_mon import __version__, logs, policy, report, statefile, stress
+from gpu_mon import __version__
+from gpu_mon.api.observe import Backend, Observer
+from gpu_mon.api.sim import SimBackend, SimError
+from gpu_mon.commands import stress
 from gpu_mon.config import (
     DEFAULT_PATH,
     Config,
@@ -26,10 +29,11 @@ from gpu_mon.config import (
     trusted_uid_for_this_process,
 )
 from gpu_mon.config import load as load_config_file
-from gpu_mon.model import PolicyState
-from gpu_mon.observe import Backend, Observer
-from gpu_mon.sim import SimBackend, SimError
-from gpu_mon.supervisor import workload_env
+from gpu_mon.engine import policy
+from gpu_mon.engine.decisions import PolicyState
+from gpu_mon.engine.workloads.supervisor import workload_env
+from gpu_mon.outputs import logs, statefile
+from gpu_mon.outputs import status as report
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -123,7 +127,7 @@ def _backend(args: argparse.Namespace) -> Tuple[Backend, str]:
         except SimError as err:
             raise CliError(str(err)) from None
         return backend, f"simulated GPUs from {backend.path}"
-    from gpu_mon.nvml import NvmlBackend
+    from gpu_mon.api.nvml import NvmlBackend
 
     return NvmlBackend(), "NVML"
 
@@ -222,7 +226,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`gpu-mon run`: the daemon in the foreground."""
-    from gpu_mon.daemon import Daemon
+    from gpu_mon.engine.daemon import Daemon
 
     config = _load_config(args, required=True)
     assert config is not None

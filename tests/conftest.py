@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     """Tests marked `gpu` need a real NVIDIA GPU: skipped (only they) where NVML finds none."""
     if not any(item.get_closest_marker("gpu") for item in items):
         return
-    from gpu_mon.nvml import NvmlBackend
+    from gpu_mon.api.nvml import NvmlBackend
 
     reading = NvmlBackend().read()
     if reading.gpus and not reading.error:

@@ -13,8 +13,8 @@ from typing import List
 import pytest
 from conftest import wait_for
 
-from gpu_mon import holders, procfs
-from gpu_mon.model import Gpu
+from gpu_mon.api import holders, procfs
+from gpu_mon.api.model import Gpu
 
 HOLD = """
 import ctypes, os, sys, time

@@ -15,7 +15,7 @@ from typing import List
 import pytest
 from conftest import GPU_MON, read_reports, wait_for, workload_cmd, write_config
 
-from gpu_mon import logs, notify
+from gpu_mon.outputs import logs, notify
 
 
 class NotifySocket:

@@ -1,4 +1,4 @@
-"""gpu_mon.nvml.NvmlBackend against a stub that imitates pynvml, and once against the real pynvml.
+"""gpu_mon.api.nvml.NvmlBackend against a stub that imitates pynvml, and once against the real pynvml.
 
 The backend must never raise: whatever NVML does, read() returns a GpuReading, and every field it could not
 read is None with a line `field: message` in Gpu.errors (NOT_SUPPORTED is not an error).
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpu_mon.model import GpuProcess, GpuReading
-from gpu_mon.nvml import NvmlBackend
+from gpu_mon.api.model import GpuProcess, GpuReading
+from gpu_mon.api.nvml import NvmlBackend
 
 MIB = 1 << 20
 

@@ -7,21 +7,9 @@ import dataclasses
 import pytest
 
 from gpu_mon import config as cfg
-from gpu_mon import policy
-from gpu_mon.model import (
-    Denied,
-    Exited,
-    Gpu,
-    GpuProcess,
-    GpuReading,
-    Holder,
-    PolicyState,
-    Running,
-    Snapshot,
-    Start,
-    Stop,
-    TtyUser,
-)
+from gpu_mon.api.model import Denied, Exited, Gpu, GpuProcess, GpuReading, Holder, Running, Snapshot, TtyUser
+from gpu_mon.engine import policy
+from gpu_mon.engine.decisions import PolicyState, Start, Stop
 
 U0, U1, U2 = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
 

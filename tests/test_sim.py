@@ -1,4 +1,4 @@
-"""gpu_mon.sim.SimBackend: the JSON file that stands in for NVML, re-read on every look.
+"""gpu_mon.api.sim.SimBackend: the JSON file that stands in for NVML, re-read on every look.
 
 load() raises SimError with one line naming the file and the field; read() never raises and returns
 GpuReading(error=...) instead.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_mon.model import Gpu, GpuProcess, GpuReading
-from gpu_mon.sim import MAX_SIM_BYTES, SimBackend, SimError
+from gpu_mon.api.model import Gpu, GpuProcess, GpuReading
+from gpu_mon.api.sim import MAX_SIM_BYTES, SimBackend, SimError
 
 ROOT = Path(__file__).resolve().parent.parent
 UUID0 = "GPU-5a1c0f3e-8d2b-4c6a-9f10-3b7e2d4c8a01"

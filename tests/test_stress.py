@@ -18,7 +18,8 @@ from typing import Dict, List, Optional
 import psutil
 import pytest
 
-from gpu_mon import cli, stress
+from gpu_mon import cli
+from gpu_mon.commands import stress
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 90.0  # importing torch on a loaded 2-core CI runner can take a while

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from gpu_mon import sessions
+from gpu_mon.api import ttys as sessions
 
 
 def make_tty(path, uid: int, idle: float) -> None:

@@ -21,14 +21,17 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Set
 
 from gpu_mon import config as config_mod
-from gpu_mon import policy, report, statefile
+from gpu_mon.api.model import Exited, Snapshot
+from gpu_mon.api.observe import Backend, Observer
+from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
-from gpu_mon.inotify import Inotify
-from gpu_mon.model import Decision, Exited, PolicyState, Snapshot, Start, Stop
-from gpu_mon.notify import Notifier, watchdog_interval
-from gpu_mon.observe import Backend, Observer
-from gpu_mon.procfs import read_stat
-from gpu_mon.supervisor import StartError, Supervisor
+from gpu_mon.engine import policy
+from gpu_mon.engine.decisions import Decision, PolicyState, Start, Stop
+from gpu_mon.engine.inotify import Inotify
+from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
+from gpu_mon.outputs import statefile
+from gpu_mon.outputs import status as report
+from gpu_mon.outputs.notify import Notifier, watchdog_interval
 
 log = logging.getLogger("gpu_mon")
 

@@ -12,8 +12,8 @@ import os
 import stat
 from typing import Iterable, List, Tuple
 
-from gpu_mon import procfs
-from gpu_mon.model import TtyUser
+from gpu_mon.api import procfs
+from gpu_mon.api.model import TtyUser
 
 _TTYAUX_MAJOR = 5  # /dev/tty, /dev/console, /dev/ptmx
 

@@ -12,22 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
+from gpu_mon.api.model import Exited, Gpu, Holder, Snapshot
+from gpu_mon.api.procfs import sanitize
+from gpu_mon.api.ttys import active
 from gpu_mon.config import ALWAYS_IGNORED, Config, GpuSection, GpuSelection, ProcessSection
-from gpu_mon.model import (
-    Backoff,
-    Decision,
-    Exited,
-    Gpu,
-    Holder,
-    Instance,
-    PolicyState,
-    Snapshot,
-    Start,
-    Stop,
-    Verdict,
-)
-from gpu_mon.procfs import sanitize
-from gpu_mon.sessions import active
+from gpu_mon.engine.decisions import Backoff, Decision, Instance, PolicyState, Start, Stop, Verdict
 
 # Fields whose failure leaves us unsure whether the GPU is in use (utilization and name are only shown).
 _BLINDING_FIELDS = (

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Optional
 
-from gpu_mon import procfs
+from gpu_mon.api import procfs
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15

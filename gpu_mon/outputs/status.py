@@ -6,11 +6,12 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 from gpu_mon import __version__
+from gpu_mon.api.model import Holder, Snapshot
+from gpu_mon.api.procfs import sanitize
+from gpu_mon.api.ttys import active
 from gpu_mon.config import Config
-from gpu_mon.model import Decision, Holder, Snapshot
-from gpu_mon.policy import Plan, ignored
-from gpu_mon.procfs import sanitize
-from gpu_mon.sessions import active
+from gpu_mon.engine.decisions import Decision
+from gpu_mon.engine.policy import Plan, ignored
 
 
 def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:

@@ -11,7 +11,7 @@ import time
 from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
-from gpu_mon.model import Gpu, GpuProcess, GpuReading
+from gpu_mon.api.model import Gpu, GpuProcess, GpuReading
 
 _MIB = 1 << 20
 # Newest first: _v3 needs driver >= 510; older drivers export only _v2 or the unversioned symbol.

@@ -8,7 +8,7 @@ import os
 import tempfile
 from typing import Optional
 
-from gpu_mon import procfs
+from gpu_mon.api import procfs
 
 
 def write(path: str, doc: dict) -> None:

@@ -20,14 +20,20 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from gpu_mon import procfs, safefile
+from gpu_mon import safefile
+from gpu_mon.api import procfs
+from gpu_mon.api.model import Exited, Running
 from gpu_mon.config import ProcessSection
-from gpu_mon.model import Exited, Instance, Running
+from gpu_mon.engine.decisions import Instance
 
 log = logging.getLogger("gpu_mon")
 
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LEADER_CODE = "import sys; sys.path.insert(0, {!r}); import gpu_mon.leader as m; sys.exit(m.main())"
+_PACKAGE_PARENT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
+_LEADER_CODE = (
+    "import sys; sys.path.insert(0, {!r}); import gpu_mon.engine.workloads.leader as m; sys.exit(m.main())"
+)
 _MAX_LINE = 4096
 _READ_BUDGET = 65536  # bytes of workload output relayed per wake, so a chatty workload cannot stall the loop
 _ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -16,7 +16,7 @@ import os
 import re
 from typing import Any, List, Optional, Tuple
 
-from gpu_mon.model import Gpu, GpuProcess, GpuReading
+from gpu_mon.api.model import Gpu, GpuProcess, GpuReading
 
 MAX_SIM_BYTES = 1 << 20
 # GPU-/MIG- and then printable ASCII without blanks or commas: a comma or blank would split

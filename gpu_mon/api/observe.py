@@ -8,8 +8,9 @@ import os
 import time
 from typing import Callable, Dict, Iterable, Optional, Protocol, Set, Tuple
 
-from gpu_mon import holders, procfs, sessions
-from gpu_mon.model import GpuReading, Holder, Snapshot, TtyUser
+from gpu_mon.api import holders, procfs
+from gpu_mon.api import ttys as sessions
+from gpu_mon.api.model import GpuReading, Holder, Snapshot, TtyUser
 
 log = logging.getLogger(__name__)
 _OURS_MEMORY_SECONDS = 30.0

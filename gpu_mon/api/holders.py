@@ -20,8 +20,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
-from gpu_mon import procfs
-from gpu_mon.model import Denied, Gpu, Holder
+from gpu_mon.api import procfs
+from gpu_mon.api.model import Denied, Gpu, Holder
 
 log = logging.getLogger(__name__)
 
