@@ -226,17 +226,16 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`gpu-mon run`: the daemon in the foreground."""
-    from gpu_mon.engine.daemon import Daemon
+    from gpu_mon.engine.daemon import ContainmentError, Daemon
+    from gpu_mon.engine.lock import DaemonLock, LockError
 
     config = _load_config(args, required=True)
     assert config is not None
-    live = statefile.read_live(config.defaults.state_file)
-    if live is not None:
-        raise CliError(
-            f"another gpu-mon daemon is running (pid {live['daemon']['pid']}, state file "
-            f"{config.defaults.state_file})",
-            EXIT_FAILURE,
-        )
+    lock = DaemonLock(config.defaults.state_file)
+    try:
+        lock.acquire()
+    except LockError as err:
+        raise CliError(str(err), EXIT_FAILURE) from None
     backend, source = _backend(args)
     if os.geteuid() != 0:
         logging.getLogger("gpu_mon").warning(
@@ -247,7 +246,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     daemon = Daemon(
         config, backend, trusted_uid=trusted_uid_for_this_process(), source="" if source == "NVML" else source
     )
-    return daemon.run()
+    try:
+        return daemon.run()
+    except ContainmentError as err:
+        raise CliError(str(err), EXIT_USAGE) from None
+    finally:
+        lock.release()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -24,7 +24,6 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_SECONDS = 365 * 86400.0
 MAX_MIB = 1 << 30
 # Always ignored as GPU holders: they only read state (DESIGN.md "[gpu-NAME]").
-ALWAYS_IGNORED = ("nvidia-smi", "nvidia-persistenced", "nv-hostengine", "dcgm-exporter")
 DEFAULT_TTY_DEVICES = ("/dev/pts/*", "/dev/tty[0-9]*")
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -68,6 +67,7 @@ class Defaults:
     full_scan_seconds: float = 60.0
     watch_opens: bool = True
     state_file: str = "/run/gpu_mon/state.json"
+    containment: str = "auto"  # auto (a cgroup where the daemon may create one), cgroup, subreaper
 
 
 @dataclass(frozen=True)
@@ -336,6 +336,15 @@ def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
     return parse_optional
 
 
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value.lower() not in options:
+            raise ValueError(f"{value!r} is not one of {', '.join(options)}")
+        return value.lower()
+
+    return parse
+
+
 def _globs(value: str) -> Tuple[str, ...]:
     words = value.replace(",", " ").split()
     if not words:
@@ -397,6 +406,7 @@ def _defaults(sec: _Section, base: str) -> Defaults:
         "full_scan_seconds": _positive_seconds,
         "watch_opens": _bool,
         "state_file": _path(base),
+        "containment": _choice("auto", "cgroup", "subreaper"),
     }
     values = sec.parse(schema)
     d = Defaults(**{k: v for k, (v, _) in values.items()})

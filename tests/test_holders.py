@@ -252,7 +252,7 @@ def test_device_targets_problems(tmp_path):
         Gpu(index=3, uuid=None, device=str(fifo)),
     ]
     targets, problems = holders.device_targets(gpus)
-    assert targets == {}
+    assert targets == holders.Targets()
     assert "No such file" in problems["GPU-a"] and problems["GPU-b"] == "device node unknown"
     assert "not a character device or regular file" in problems["GPU-c"]
 
@@ -297,8 +297,8 @@ def test_incremental_scan_does_not_trust_an_entry_left_by_a_reused_pid(devices, 
     s.full()
     entry = s._cache[str(p.pid)]
     assert entry.gpus == {"GPU-0"}
-    ino, ctime, count = entry.signature
+    ino, ctime, count, threads = entry.signature
     # What the cache would hold had another process with this pid and fd count held nothing.
-    s._cache[str(p.pid)] = holders._Entry((ino + 1, ctime - 1, count), frozenset())
+    s._cache[str(p.pid)] = holders._Entry((ino + 1, ctime - 1, count, threads), frozenset())
     result = s.changed()
     assert result.held[p.pid] == {"GPU-0"} and p.pid in result.rescanned

@@ -30,7 +30,9 @@ def gpu(index: int, uuid: str, **kw) -> Gpu:
     return Gpu(**base)
 
 
-def holder(pid: int, gpus=(U0,), name="python3", user="alice", ours=False, start=100) -> Holder:
+def holder(
+    pid: int, gpus=(U0,), name="python3", user="alice", ours=False, start=100, monitor=False
+) -> Holder:
     return Holder(
         pid=pid,
         start_ticks=start,
@@ -41,6 +43,7 @@ def holder(pid: int, gpus=(U0,), name="python3", user="alice", ours=False, start
         sid=pid,
         gpus=frozenset(gpus),
         ours=ours,
+        monitor=monitor,
     )
 
 
@@ -71,7 +74,9 @@ VERDICTS = [
     ("holder-on-other-gpu", snap(holders=(holder(42, gpus=(U1,)),)), False, None),
     ("our-holder", snap(holders=(holder(42, ours=True),)), False, None),
     ("ignored-program", snap(holders=(holder(42, name="nvitop"),)), False, None),
-    ("always-ignored", snap(holders=(holder(42, name="nvidia-smi"),)), False, None),
+    ("builtin-monitor", snap(holders=(holder(42, name="nvidia-smi", monitor=True),)), False, None),
+    # A user's job named like a monitor is not one: only a root-owned nvidia-smi executable is (holders.py).
+    ("borrowed-monitor-name", snap(holders=(holder(42, name="nvidia-smi"),)), True, "nvidia-smi[42] holds"),
     ("ignored-user", snap(holders=(holder(42, user="monitor"),)), False, None),
     (
         "nvml-foreign",

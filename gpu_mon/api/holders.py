@@ -1,21 +1,26 @@
-"""Which processes hold which GPU's device node open, by stat of /proc/PID/fd/N.
+"""Which processes hold which GPU's device node, as `fuser` finds them: the descriptors of every fd table
+(a thread created without CLONE_FILES has its own, seen only in /proc/PID/task/TID/fd) and memory maps of
+the node, which outlive a closed descriptor.
 
 A character device matches by `st_rdev`, so a process holding the node under another path (a container's own
-/dev) is found too; the simulator's regular files match by (st_dev, st_ino), so hard links are found.
-/dev/nvidiactl and /dev/nvidia-uvm are not GPU nodes and attribute nothing.
+/dev, made with mknod) is found too, and that node is reported so it can be watched; the simulator's regular
+files match by (st_dev, st_ino), so hard links are found. /dev/nvidiactl and /dev/nvidia-uvm are not GPU
+nodes and attribute nothing.
 
 A full scan stats every fd of every process (50-95 ms for 1000 processes with 10 fds each on a 2-core VM).
-The incremental scan (`changed`) re-reads only processes that are new, or whose open-fd count changed: since
-Linux 6.2 `stat(/proc/PID/fd).st_size` is that count, so a look at 1000 processes costs ~5-10 ms (the same
-stat's inode and ctime tell a reused pid from the process that had it before). An fd closed and another
-opened in its place keeps the count, so callers still run a full scan regularly and whenever an
-open event is not explained by the incremental one.
+The incremental scan (`changed`) re-reads only processes whose signature changed: since Linux 6.2
+`stat(/proc/PID/fd).st_size` is the open-fd count, its inode and ctime tell a reused pid from the process
+that had it before, and `stat(/proc/PID/task).st_nlink` counts threads (a new thread may bring a table of
+its own). A descriptor replaced in place (close and open, dup2, one received from another process) keeps
+the signature, so the caller runs a full scan when an open event is not explained by the incremental scan
+and whenever a holder lets go of a GPU (`ScanResult.released`: its descriptor may have been handed on).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import platform
 import stat
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
@@ -27,6 +32,13 @@ log = logging.getLogger(__name__)
 
 DevKey = Tuple[int, ...]  # (S_IFCHR, rdev) or (S_IFREG, st_dev, st_ino)
 _DENIED = "denied"
+# Monitors that hold every GPU's node without using it. They count as idle only when the process runs a
+# root-owned executable of that name: any user can name a process `nvidia-smi`.
+BUILTIN_MONITORS = ("nvidia-smi", "nvidia-persistenced", "nv-hostengine", "dcgm-exporter")
+_KCMP_FILES = 2
+_KCMP_SYSCALL = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "ppc64le": 354, "s390x": 343}.get(
+    platform.machine()
+)
 
 
 def device_key(st: os.stat_result) -> Optional[DevKey]:
@@ -39,9 +51,18 @@ def device_key(st: os.stat_result) -> Optional[DevKey]:
     return None
 
 
-def device_targets(gpus: Iterable[Gpu]) -> Tuple[Dict[DevKey, str], Dict[str, str]]:
+@dataclass(frozen=True)
+class Targets:
+    """The GPU nodes to look for: by match key, and by the node's own inode (for memory maps)."""
+
+    keys: Dict[DevKey, str] = field(default_factory=dict)
+    inodes: Dict[Tuple[int, int], str] = field(default_factory=dict)  # (st_dev, st_ino) -> uuid
+
+
+def device_targets(gpus: Iterable[Gpu]) -> Tuple[Targets, Dict[str, str]]:
     """Map each GPU's device node to its UUID; also return {uuid: error} for nodes that cannot be used."""
-    targets: Dict[DevKey, str] = {}
+    keys: Dict[DevKey, str] = {}
+    inodes: Dict[Tuple[int, int], str] = {}
     problems: Dict[str, str] = {}
     for gpu in gpus:
         if not gpu.uuid:
@@ -50,15 +71,17 @@ def device_targets(gpus: Iterable[Gpu]) -> Tuple[Dict[DevKey, str], Dict[str, st
             problems[gpu.uuid] = "device node unknown"
             continue
         try:
-            key = device_key(os.stat(gpu.device))
+            st = os.stat(gpu.device)
         except OSError as err:
             problems[gpu.uuid] = f"{gpu.device}: {err.strerror or err}"
             continue
+        key = device_key(st)
         if key is None:
             problems[gpu.uuid] = f"{gpu.device}: not a character device or regular file"
             continue
-        targets[key] = gpu.uuid
-    return targets, problems
+        keys[key] = gpu.uuid
+        inodes[(st.st_dev, st.st_ino)] = gpu.uuid
+    return Targets(keys, inodes), problems
 
 
 def fd_count_supported(proc: str = procfs.PROC) -> bool:
@@ -75,13 +98,26 @@ def fd_count_supported(proc: str = procfs.PROC) -> bool:
     return before > 0 and after == before + 1
 
 
+def _shares_fd_table(pid: int, tid: int) -> Optional[bool]:
+    """kcmp(KCMP_FILES): whether a thread uses its process's fd table; None when the kernel cannot tell."""
+    if _KCMP_SYSCALL is None:
+        return None
+    import ctypes  # only here: most processes have one thread, and most scans never get this far
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(_KCMP_SYSCALL, pid, tid, _KCMP_FILES, 0, 0)
+    return None if result < 0 else result == 0
+
+
 @dataclass
 class _Entry:
-    # (inode, ctime, size) of /proc/PID/fd: size is the open-fd count; the inode and its ctime belong to this
-    # process's proc entry, so a pid reused by a new process between two scans (pid_max can be 32768) never
-    # matches an old entry, even with the same number of fds.
-    signature: Optional[Tuple[int, int, int]]
+    # (fd inode, fd ctime, fd count, thread count + 2, fd counts of private tables): the inode and its ctime
+    # belong to this process's proc entry, so a pid reused by a new process between two scans never matches.
+    signature: Optional[Tuple[int, ...]]
     gpus: object  # frozenset of UUIDs, or _DENIED
+    private: Tuple[int, ...] = ()  # threads with an fd table of their own
+    mapped: FrozenSet[str] = frozenset()  # GPUs held only through a memory map
+    nodes: FrozenSet[Tuple[str, str]] = frozenset()  # (uuid, path the process opened)
 
 
 @dataclass
@@ -92,6 +128,99 @@ class ScanResult:
     denied: List[int] = field(default_factory=list)
     rescanned: Set[int] = field(default_factory=set)  # pids whose fds were read in this scan
     full: bool = False
+    released: bool = False  # a holder let go of a GPU (or exited): a full scan should follow
+    nodes: Dict[int, FrozenSet[Tuple[str, str]]] = field(default_factory=dict)  # pid -> (uuid, path)
+
+
+class _Reader:
+    """Reads one process's fd tables and maps against the targets."""
+
+    def __init__(self, proc: str, targets: Targets, extra_nodes: Dict[Tuple[int, int], Tuple[str, str]]):
+        self.proc, self.targets, self.extra_nodes = proc, targets, extra_nodes
+
+    def table(self, fd_dir: str, pid: str, found: Set[str], nodes: Set[Tuple[str, str]]) -> bool:
+        """Add the GPUs one fd table holds; False if we may not read it."""
+        try:
+            names = os.listdir(fd_dir)
+        except PermissionError:
+            return False
+        except OSError:
+            return True  # gone (a thread or process exiting): holds nothing
+        keys = self.targets.keys
+        for name in names:
+            try:
+                st = os.stat(f"{fd_dir}/{name}")
+            except PermissionError:
+                return False
+            except OSError:
+                continue  # closed since the listing, or the process exited
+            kind = stat.S_IFMT(st.st_mode)
+            if kind == stat.S_IFCHR:
+                uuid = keys.get((stat.S_IFCHR, st.st_rdev))
+            elif kind == stat.S_IFREG:
+                uuid = keys.get((stat.S_IFREG, st.st_dev, st.st_ino))
+            else:
+                continue
+            if uuid:
+                found.add(uuid)
+                self._note_node(pid, f"{fd_dir}/{name}", st, uuid, nodes)
+        return True
+
+    def _note_node(
+        self, pid: str, link: str, st: os.stat_result, uuid: str, nodes: Set[Tuple[str, str]]
+    ) -> None:
+        try:
+            path = os.readlink(link)
+        except OSError:
+            return
+        nodes.add((uuid, path))
+        if stat.S_ISCHR(st.st_mode) and (st.st_dev, st.st_ino) not in self.targets.inodes:
+            # Another node for the same device: a container's own /dev/nvidiaN. Seen through its root.
+            self.extra_nodes.setdefault((st.st_dev, st.st_ino), (uuid, f"{self.proc}/{pid}/root{path}"))
+
+    def private_tables(self, pid: str) -> Optional[Tuple[int, ...]]:
+        """Threads of `pid` that have an fd table of their own; None if unreadable."""
+        try:
+            tids = [int(t) for t in os.listdir(f"{self.proc}/{pid}/task") if t != pid]
+        except OSError:
+            return ()
+        out = []
+        for tid in tids:
+            shared = _shares_fd_table(int(pid), tid) if self.proc == procfs.PROC else None
+            if not shared:
+                out.append(tid)
+        return tuple(out)
+
+    def maps(self, pid: str) -> Set[str]:
+        """GPUs whose node this process has mapped into memory."""
+        try:
+            with open(f"{self.proc}/{pid}/maps", "rb") as f:
+                data = f.read()
+        except OSError:
+            return set()
+        found: Set[str] = set()
+        inodes = self.targets.inodes
+        for line in data.split(b"\n"):
+            parts = line.split(None, 5)
+            if len(parts) < 6 or parts[4] == b"0":
+                continue
+            major, _, minor = parts[3].partition(b":")
+            try:
+                key = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
+            except ValueError:
+                continue
+            uuid = inodes.get(key) or self._mapped_device(pid, parts[0])
+            if uuid:
+                found.add(uuid)
+        return found
+
+    def _mapped_device(self, pid: str, span: bytes) -> Optional[str]:
+        """A mapping of some other node (a container's): stat it through map_files to see its device."""
+        try:
+            st = os.stat(f"{self.proc}/{pid}/map_files/{span.decode()}")
+        except (OSError, UnicodeDecodeError):
+            return None
+        return self.targets.keys.get((stat.S_IFCHR, st.st_rdev)) if stat.S_ISCHR(st.st_mode) else None
 
 
 class HolderScanner:
@@ -102,80 +231,84 @@ class HolderScanner:
         self.skip = {str(p) for p in skip_pids}
         self.incremental = proc == procfs.PROC and fd_count_supported(proc)
         self._cache: Dict[str, _Entry] = {}
-        self._targets: Dict[DevKey, str] = {}
+        self._targets = Targets()
+        # Nodes of other mount namespaces seen holding a GPU: (st_dev, st_ino) -> (uuid, path to watch).
+        self.extra_nodes: Dict[Tuple[int, int], Tuple[str, str]] = {}
 
-    def _signature(self, pid: str) -> Optional[Tuple[int, int, int]]:
+    def _signature(self, pid: str, private: Tuple[int, ...] = ()) -> Optional[Tuple[int, ...]]:
         try:
             st = os.stat(f"{self.proc}/{pid}/fd")
+            threads = os.stat(f"{self.proc}/{pid}/task").st_nlink
+            tables = tuple(os.stat(f"{self.proc}/{pid}/task/{t}/fd").st_size for t in private)
         except OSError:
             return None
-        return (st.st_ino, st.st_ctime_ns, st.st_size)
+        return (st.st_ino, st.st_ctime_ns, st.st_size, threads, *tables)
 
-    def _read_fds(self, pid: str) -> object:
-        """GPUs held by one process: a frozenset, _DENIED, or None if it vanished."""
-        fd_dir = f"{self.proc}/{pid}/fd"
-        try:
-            names = os.listdir(fd_dir)
-        except PermissionError:
-            return self._denied_or_gone(pid)
-        except OSError:
-            return None
+    def _read(self, pid: str, maps: bool, old: Optional[_Entry]) -> Optional[_Entry]:
+        """Read one process; None if it vanished."""
+        reader = _Reader(self.proc, self._targets, self.extra_nodes)
         found: Set[str] = set()
-        targets = self._targets
-        for name in names:
-            try:
-                st = os.stat(f"{fd_dir}/{name}")
-            except PermissionError:
-                return self._denied_or_gone(pid)
-            except OSError:
-                continue  # closed since the listing, or the process exited
-            kind = stat.S_IFMT(st.st_mode)
-            if kind == stat.S_IFCHR:
-                uuid = targets.get((stat.S_IFCHR, st.st_rdev))
-            elif kind == stat.S_IFREG:
-                uuid = targets.get((stat.S_IFREG, st.st_dev, st.st_ino))
-            else:
-                continue
-            if uuid:
-                found.add(uuid)
-        return frozenset(found)
+        nodes: Set[Tuple[str, str]] = set()
+        readable = reader.table(f"{self.proc}/{pid}/fd", pid, found, nodes)
+        private: Tuple[int, ...] = ()
+        if readable and self._threads(pid) > 1:
+            private = reader.private_tables(pid) or ()
+            for tid in private:
+                readable = readable and reader.table(f"{self.proc}/{pid}/task/{tid}/fd", pid, found, nodes)
+        if not readable:
+            return self._denied_or_gone(pid)
+        mapped: Set[str] = set()
+        lost = old is not None and old.gpus != _DENIED and not set(old.gpus) <= found  # type: ignore[arg-type]
+        if maps or lost or (old is not None and old.mapped):
+            mapped = reader.maps(pid) - found
+        signature = self._signature(pid, private) if self.incremental else None
+        return _Entry(signature, frozenset(found | mapped), private, frozenset(mapped), frozenset(nodes))
 
-    def _denied_or_gone(self, pid: str) -> object:
+    def _threads(self, pid: str) -> int:
+        try:
+            return os.stat(f"{self.proc}/{pid}/task").st_nlink - 2
+        except OSError:
+            return 1
+
+    def _denied_or_gone(self, pid: str) -> Optional[_Entry]:
         """A process that is exiting also refuses access to its fds: that one is gone, not hidden."""
         st = procfs.read_stat(int(pid), self.proc)
         if st is None or st.state in ("Z", "X"):
             return None
-        return _DENIED
+        return _Entry(None, _DENIED)
 
-    def set_targets(self, targets: Dict[DevKey, str]) -> None:
+    def set_targets(self, targets: Targets) -> None:
         """Use these device nodes; a change forgets the cache (the next scan reads everything)."""
         if targets != self._targets:
-            self._targets = dict(targets)
+            self._targets = targets
             self._cache.clear()
 
-    def full(self, pids: Optional[Iterable[str]] = None) -> ScanResult:
-        """Read the fds of every process (or of `pids` only, merged into the last result)."""
+    def full(self, pids: Optional[Iterable[str]] = None, maps: bool = False) -> ScanResult:
+        """Read the fds of every process (or of `pids` only, merged into the last result); `maps` reads
+        every process's memory maps too (slower: the periodic scan does it)."""
         if pids is None:
-            self._cache = {}
+            old_cache, self._cache = self._cache, {}
             pids = procfs.list_pids(self.proc)
-            full = True
+            result = ScanResult(full=True)
         else:
-            full = False
-        result = ScanResult(full=full)
+            old_cache = self._cache
+            result = ScanResult()
         for pid in pids:
-            if pid in self.skip:
-                continue
-            signature = self._signature(pid) if self.incremental else None
-            gpus = self._read_fds(pid)
-            result.rescanned.add(int(pid))
-            if gpus is None:
-                self._cache.pop(pid, None)
-            else:
-                self._cache[pid] = _Entry(signature, gpus)
+            if pid not in self.skip:
+                self._update(pid, self._read(pid, maps, old_cache.get(pid)), old_cache.get(pid), result)
         return self._result(result)
 
+    def _update(self, pid: str, entry: Optional[_Entry], old: Optional[_Entry], result: ScanResult) -> None:
+        result.rescanned.add(int(pid))
+        if _released(old, entry):
+            result.released = True
+        if entry is None:
+            self._cache.pop(pid, None)
+        else:
+            self._cache[pid] = entry
+
     def changed(self) -> ScanResult:
-        """Read only processes that are new or whose fd count changed (a full scan if counts are unknown)."""
+        """Read only the processes that are new or whose signature changed (full if counts are unknown)."""
         if not self.incremental or not self._cache:
             return self.full()
         result = ScanResult()
@@ -184,20 +317,15 @@ class HolderScanner:
             if pid in self.skip:
                 continue
             live.add(pid)
-            signature = self._signature(pid)
             entry = self._cache.get(pid)
-            if entry is not None and signature is not None and entry.signature == signature:
-                continue
-            gpus = self._read_fds(pid)
-            result.rescanned.add(int(pid))
-            if gpus is None:
-                self._cache.pop(pid, None)
-                live.discard(pid)
-            else:
-                self._cache[pid] = _Entry(signature, gpus)
+            if entry is not None and not entry.mapped:
+                signature = self._signature(pid, entry.private)
+                if signature is not None and entry.signature == signature:
+                    continue
+            self._update(pid, self._read(pid, False, entry), entry, result)
         for pid in list(self._cache):
             if pid not in live:
-                del self._cache[pid]
+                self._update(pid, None, self._cache[pid], result)
         return self._result(result)
 
     def forget(self, pids: Iterable[int]) -> None:
@@ -211,16 +339,38 @@ class HolderScanner:
                 result.denied.append(int(pid))
             elif entry.gpus:
                 result.held[int(pid)] = entry.gpus  # type: ignore[assignment]
+                result.nodes[int(pid)] = entry.nodes
         return result
 
 
-def describe(pid: int, gpus: FrozenSet[str], proc: str = procfs.PROC) -> Optional[Holder]:
+def _released(old: Optional[_Entry], new: Optional[_Entry]) -> bool:
+    """Whether a process held a GPU before and does not hold all of those now."""
+    if old is None or not old.gpus or old.gpus == _DENIED:
+        return False
+    return new is None or new.gpus == _DENIED or not set(old.gpus) <= set(new.gpus)  # type: ignore[arg-type]
+
+
+def builtin_monitor(pid: int, proc: str = procfs.PROC) -> bool:
+    """Whether the process runs a root-owned, root-only-writable executable named like a built-in monitor."""
+    try:
+        exe = os.readlink(f"{proc}/{pid}/exe")
+        st = os.stat(f"{proc}/{pid}/exe")
+    except OSError:
+        return False
+    name = os.path.basename(exe.removesuffix(" (deleted)"))
+    return name in BUILTIN_MONITORS and st.st_uid == 0 and not st.st_mode & 0o022
+
+
+def describe(
+    pid: int, gpus: FrozenSet[str], proc: str = procfs.PROC, nodes: Iterable[str] = ()
+) -> Optional[Holder]:
     """Name, user, session and start time of a holder; None if it has gone."""
     st = procfs.read_stat(pid, proc)
     if st is None:
         return None
     argv0 = procfs.read_argv0(pid, proc)
     uid = procfs.read_uid(pid, proc)
+    named = st.comm in BUILTIN_MONITORS or argv0 in BUILTIN_MONITORS
     return Holder(
         pid=pid,
         start_ticks=st.start_ticks,
@@ -230,6 +380,8 @@ def describe(pid: int, gpus: FrozenSet[str], proc: str = procfs.PROC) -> Optiona
         user=procfs.user_name(uid),
         sid=st.sid,
         gpus=frozenset(gpus),
+        nodes=tuple(sorted(set(nodes))),
+        monitor=named and builtin_monitor(pid, proc),
     )
 
 

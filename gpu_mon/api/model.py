@@ -58,6 +58,10 @@ class Holder:
     sid: int
     gpus: frozenset  # UUIDs
     ours: bool = False  # in the session (or process tree) of a workload gpu_mon started, or gpu_mon itself
+    nodes: Tuple[
+        str, ...
+    ] = ()  # paths of the GPU nodes it opened, as it named them (its own mount namespace)
+    monitor: bool = False  # a built-in monitor (nvidia-smi...) run from a root-owned executable
 
     @property
     def label(self) -> str:

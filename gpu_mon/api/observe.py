@@ -14,6 +14,7 @@ from gpu_mon.api.model import GpuReading, Holder, Snapshot, TtyUser
 
 log = logging.getLogger(__name__)
 _OURS_MEMORY_SECONDS = 30.0
+_MAX_EXTRA_NODES = 64
 
 
 class Backend(Protocol):
@@ -42,6 +43,8 @@ class Observer:
         self.reading = GpuReading(gpus=(), error="not read yet")
         self.node_errors: Dict[str, str] = {}
         self.holders: Tuple[Holder, ...] = ()
+        self.last_rescanned: Set[int] = set()  # pids whose descriptors the last scan read
+        self.rescan_wanted = False  # a holder let go of a GPU since the last full scan
         self.denied_pids: Tuple[int, ...] = ()
         self._denied_logged: Set[int] = set()
         self._starts: Dict[int, int] = {}
@@ -55,23 +58,44 @@ class Observer:
         self.scanner.set_targets(targets)
         return self.reading
 
+    def watch_targets(self) -> Dict[str, str]:
+        """{path: uuid} of every node to watch for opens: each readable GPU's device node, and the nodes of
+        other mount namespaces (containers) that a scan has seen holding one (at most _MAX_EXTRA_NODES)."""
+        out = {
+            g.device: g.uuid
+            for g in self.reading.gpus
+            if g.device and g.uuid and g.uuid not in self.node_errors
+        }
+        for uuid, path in list(self.scanner.extra_nodes.values())[:_MAX_EXTRA_NODES]:
+            out.setdefault(path, uuid)
+        return out
+
     def device_paths(self) -> Tuple[str, ...]:
-        """Device nodes of every readable GPU (for inotify)."""
-        return tuple(g.device for g in self.reading.gpus if g.device and g.uuid not in self.node_errors)
+        """Nodes to watch for opens (see watch_targets), sorted."""
+        return tuple(sorted(self.watch_targets()))
+
+    def forget_node(self, path: str) -> None:
+        """A container's node went away (its watch ended): stop watching it."""
+        for key, (_uuid, watched) in list(self.scanner.extra_nodes.items()):
+            if watched == path:
+                del self.scanner.extra_nodes[key]
 
     def scan(self, mode: str, sessions_of_ours: Iterable[int] = (), pids: Iterable[int] = ()) -> None:
-        """Scan holders: mode 'full', 'changed' (incremental) or 'pids' (just those)."""
-        if mode == "full":
-            result = self.scanner.full()
+        """Scan holders: mode 'full' (with memory maps), 'fds' (full, descriptors only), 'changed'
+        (incremental) or 'pids' (just those)."""
+        if mode in ("full", "fds"):
+            result = self.scanner.full(maps=mode == "full")
         elif mode == "pids":
             result = self.scanner.full(pids=[str(p) for p in pids])
         else:
             result = self.scanner.changed()
+        self.last_rescanned = result.rescanned
+        self.rescan_wanted = (self.rescan_wanted or result.released) and not result.full
         ours = set(sessions_of_ours)
         found = []
         reused = []
         for pid, gpus in sorted(result.held.items()):
-            h = holders.describe(pid, gpus, self.proc)
+            h = holders.describe(pid, gpus, self.proc, (path for _u, path in result.nodes.get(pid, ())))
             if h is None:
                 continue
             if pid not in result.rescanned and self._starts.get(pid, h.start_ticks) != h.start_ticks:

@@ -6,7 +6,7 @@ import os
 import pwd
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Set, Tuple
 
 PROC = "/proc"
 
@@ -132,8 +132,9 @@ def ancestors(pid: int, proc: str = PROC, limit: int = 64) -> Iterator[int]:
         seen += 1
 
 
-def descendants(root: int, proc: str = PROC) -> Dict[int, int]:
-    """Every live descendant of `root` as {pid: start_ticks}, by walking ppid links of all processes."""
+def descendants(root: int, proc: str = PROC, skip: Optional[Set[int]] = None) -> Dict[int, int]:
+    """Every descendant of `root` as {pid: start_ticks}, by walking ppid links of all processes; the
+    processes in `skip` and their subtrees are left out."""
     children: Dict[int, list] = {}
     starts: Dict[int, int] = {}
     for name in list_pids(proc):
@@ -146,7 +147,7 @@ def descendants(root: int, proc: str = PROC) -> Dict[int, int]:
     todo = list(children.get(root, ()))
     while todo:
         pid = todo.pop()
-        if pid in out:
+        if pid in out or (skip and pid in skip):
             continue
         out[pid] = starts[pid]
         todo.extend(children.get(pid, ()))

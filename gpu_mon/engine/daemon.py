@@ -10,7 +10,6 @@ processes whose fd count changed) with the last GPU reading, so the opener is us
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import errno
 import logging
@@ -18,7 +17,7 @@ import os
 import selectors
 import signal
 import time
-from typing import Callable, Deque, Dict, List, Optional, Set
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from gpu_mon import config as config_mod
 from gpu_mon.api.model import Exited, Snapshot
@@ -28,6 +27,7 @@ from gpu_mon.config import Config, ConfigError
 from gpu_mon.engine import policy
 from gpu_mon.engine.decisions import Decision, PolicyState, Start, Stop
 from gpu_mon.engine.inotify import Inotify
+from gpu_mon.engine.workloads import cgroups, linux
 from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
 from gpu_mon.outputs import statefile
 from gpu_mon.outputs import status as report
@@ -35,15 +35,31 @@ from gpu_mon.outputs.notify import Notifier, watchdog_interval
 
 log = logging.getLogger("gpu_mon")
 
-PR_SET_CHILD_SUBREAPER = 36
 _EVENT_FULL_SCAN_GAP = 0.5  # at most two unexplained-open full scans a second
 _EMPTY_PLAN = policy.Plan(rules={}, instances=(), index_of={})
 
 
 def _set_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), 0, 0, 0) != 0:
-        log.warning("cannot become a child subreaper: %s", os.strerror(ctypes.get_errno()))
+    try:
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+    except OSError as err:
+        log.warning("cannot become a child subreaper: %s", err.strerror)
+
+
+class ContainmentError(Exception):
+    """`containment = cgroup` was asked for and cannot be had; str() is one line."""
+
+
+def containment_tree(mode: str) -> Tuple[Optional[cgroups.CgroupTree], str]:
+    """The cgroup tree to contain workloads in (None: the subreaper), and how to say which one it is."""
+    if mode == "subreaper":
+        return None, "subreaper (containment = subreaper)"
+    tree, why = cgroups.CgroupTree.probe(os.getpid())
+    if tree is None and mode == "cgroup":
+        raise ContainmentError(f"containment = cgroup, but {why}")
+    if tree is None:
+        return None, f"subreaper ({why})"
+    return tree, f"cgroup (a group per workload under {tree.parent})"
 
 
 class Daemon:
@@ -68,6 +84,8 @@ class Daemon:
         self.selector = selectors.DefaultSelector()
         self.observer = Observer(backend, wall=wall)
         self.supervisor = Supervisor(self.selector, config.defaults.stop_timeout_seconds)
+        self.containment = ""
+        self.status_line = ""
         self.state = PolicyState()
         self.plan: Optional[policy.Plan] = None
         self.reported_problems: Set[str] = set()
@@ -78,8 +96,12 @@ class Daemon:
         self.inotify: Optional[Inotify] = None
         self.stop_requested = 0
         self.reload_requested = False
+        self.status_requested = False
+        self.full_scan_requested = False
         self.child_exited = False
         self.opened: Set[str] = set()
+        self.watched: Tuple[str, ...] = ()
+        self.announced: Set[str] = set()
         self.started_wall = wall()
         self.next_poll = 0.0
         self.next_full = 0.0
@@ -97,15 +119,22 @@ class Daemon:
 
     def _install_signals(self) -> None:
         def handler(signum: int, _frame: object) -> None:
-            if signum in (signal.SIGTERM, signal.SIGINT):
+            if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
                 self.stop_requested += 1
             elif signum == signal.SIGHUP:
                 self.reload_requested = True
             elif signum == signal.SIGCHLD:
                 self.child_exited = True
+            elif signum == signal.SIGUSR1:
+                self.status_requested = True
+            elif signum == signal.SIGUSR2:
+                self.full_scan_requested = True
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, handler)
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, handler)
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("signal", ""))
 
@@ -135,16 +164,28 @@ class Daemon:
             self.opened.clear()
 
     def _rewatch(self) -> None:
+        self.watched = self.observer.device_paths()
         if self.inotify is None:
             return
-        for path, why in self.inotify.watch(self.observer.device_paths()).items():
-            log.warning("cannot watch %s for opens (%s): relying on polling", path, why)
+        devices = {g.device for g in self.observer.reading.gpus}
+        for path, why in self.inotify.watch(self.watched).items():
+            if path in devices:
+                log.warning("cannot watch %s for opens (%s): relying on polling", path, why)
+            else:  # a container's node that went away with its container
+                log.debug("no longer watching %s (%s)", path, why)
+                self.observer.forget_node(path)
+        new = [p for p in self.watched if p not in devices and p not in self.announced]
+        for path in new:
+            log.info("watching %s for opens too (a GPU node of another mount namespace)", path)
+        self.announced.update(new)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        """Run until SIGTERM/SIGINT and every workload is gone; return the exit code."""
+        """Run until SIGTERM/SIGINT/SIGQUIT and every workload is gone; return the exit code."""
         _set_subreaper()
+        tree, self.containment = containment_tree(self.config.defaults.containment)
+        self.supervisor.cgroup_tree = tree
         self._install_signals()
         self._setup_inotify()
         d = self.config.defaults
@@ -156,17 +197,19 @@ class Daemon:
             d.start_delay_seconds,
             "" if self.observer.scanner.incremental else " (kernel < 6.2: every poll is a full /proc scan)",
         )
+        log.info("containment: %s", self.containment)
         for warning in self.config.warnings:
             log.warning("%s", warning)
         now = self.clock()
         self._poll(now, full=True)
+        self._rewatch()
         self.notifier.ready()
         stopping_logged = False
         while True:
             if self.stop_requested and not stopping_logged:
                 stopping_logged = True
                 self._shutdown()
-            if self.stop_requested and not self.supervisor.workloads:
+            if self.stop_requested and not self.supervisor.busy():
                 break
             timeout = self._timeout()
             events = self.selector.select(timeout)
@@ -190,7 +233,7 @@ class Daemon:
         deadlines = [self.next_poll]
         if self.decision and self.decision.next_wake is not None:
             deadlines.append(self.decision.next_wake)
-        kill = self.supervisor.next_kill()
+        kill = self.supervisor.next_deadline(now)
         if kill is not None:
             deadlines.append(kill)
         if self.watchdog_every:
@@ -216,49 +259,69 @@ class Daemon:
         if self.child_exited:
             self.child_exited = False
             self.supervisor.reap_orphans()
+        if self.stop_requested > 1:
+            for w in self.supervisor.workloads.values():
+                w.kill_at = now  # a second SIGTERM: no more waiting
+        self.supervisor.tick(now)
+        self._rounds(now, exits)
+        # Slower work comes after the yield path, so that it never delays a stop.
         if self.reload_requested:
             self.reload_requested = False
             self._reload(now)
-        if self.stop_requested > 1:
-            for key in list(self.supervisor.workloads):
-                w = self.supervisor.workloads[key]
-                w.kill_at = now  # a second SIGTERM: no more waiting
-        self.supervisor.tick(now)
+        if self.status_requested:
+            self.status_requested = False
+            log.info("status: %s", self.status_line or "no round yet")
         if self.watchdog_every and now >= self.next_watchdog:
             self.notifier.watchdog()
             self.next_watchdog = now + self.watchdog_every
-        if now >= self.next_poll:
-            self._poll(now, full=now >= self.next_full)
-        elif self.opened:
+
+    def _rounds(self, now: float, exits: bool) -> None:
+        """The rounds this wake calls for: opens first, then a poll, a deferred full scan or a re-decide."""
+        ran = False
+        if self.opened:
             self._on_open(now)
+            ran = True
+        if now >= self.next_poll or self.full_scan_requested:
+            full = now >= self.next_full or self.full_scan_requested
+            self.full_scan_requested = False
+            self._poll(now, full=full)
         elif self.deferred_full is not None and now >= self.deferred_full:
             self.deferred_full = None
+            self.last_event_full = now
             self._round(now, scan="full")
-        elif exits or (
-            self.decision and self.decision.next_wake is not None and now >= self.decision.next_wake
+        if self.observer.device_paths() != self.watched:
+            self._rewatch()
+        elif not ran and (
+            exits
+            or (self.decision and self.decision.next_wake is not None and now >= self.decision.next_wake)
         ):
             self._round(now, scan=None)
+        if self.observer.rescan_wanted and self.deferred_full is None:
+            # A holder let go of a GPU: its descriptor may have been handed to another process.
+            self.observer.rescan_wanted = False
+            self.deferred_full = max(now, self.last_event_full + _EVENT_FULL_SCAN_GAP)
 
     def _poll(self, now: float, full: bool) -> None:
         d = self.config.defaults
-        before = self.observer.device_paths()
         self.observer.read_gpus()
-        if self.observer.device_paths() != before:
-            self._rewatch()
         self.next_poll = now + d.interval_seconds
         if full or not self.observer.scanner.incremental:
             self.next_full = now + d.full_scan_seconds
-        self.opened.clear()
         self._round(now, scan="full" if full else "changed")
 
     def _on_open(self, now: float) -> None:
-        """A GPU node was opened: find the opener with an incremental scan, else a (rate-limited) full one."""
+        """A GPU node was opened: find the opener with an incremental scan, else a (rate-limited) full one.
+
+        The open is never dropped: when the full scan has to wait for its rate limit it is deferred, and a
+        poll that comes in the same wake does not replace it (a poll's incremental scan misses a process
+        that swapped a descriptor in place, as a CUDA program's imports can: this was a CI flake).
+        """
         opened = set(self.opened)
         self.opened.clear()
-        known = {(h.pid, h.start_ticks) for h in self.observer.holders}
         self.observer.scan("changed", self.supervisor.sessions())
-        uuids = {g.uuid for g in self.observer.reading.gpus if g.device in opened}
-        explained = any((h.pid, h.start_ticks) not in known and h.gpus & uuids for h in self.observer.holders)
+        uuids = {self.observer.watch_targets().get(path) for path in opened}
+        rescanned = self.observer.last_rescanned
+        explained = any(h.pid in rescanned and h.gpus & uuids for h in self.observer.holders)
         if explained:
             self._round(now, scan=None)
         elif now - self.last_event_full >= _EVENT_FULL_SCAN_GAP:
@@ -266,7 +329,8 @@ class Daemon:
             self._round(now, scan="full")
         else:
             self._round(now, scan=None)
-            self.deferred_full = self.last_event_full + _EVENT_FULL_SCAN_GAP
+            if self.deferred_full is None:
+                self.deferred_full = self.last_event_full + _EVENT_FULL_SCAN_GAP
 
     # ------------------------------------------------------------------ one round
 
@@ -411,7 +475,8 @@ class Daemon:
             daemon={"pid": os.getpid(), "start_ticks": self.start_ticks, "started_wall": self.started_wall},
             wall=self.wall(),
         )
-        self.notifier.status(self._status_line(plan, doc))
+        self.status_line = self._status_line(plan, doc)
+        self.notifier.status(self.status_line)
         # Rewrite the state file only when what it shows changed (its times are absolute): serializing and
         # renaming it every round was a third of an idle poll's cost at 1000 processes.
         content = {k: v for k, v in doc.items() if k != "updated_wall"}
@@ -486,7 +551,8 @@ class Daemon:
         self._say(
             f"reloaded {path}" + (f"; changed: {', '.join(changed)}" if changed else "; no workload changed")
         )
-        self.next_poll = now  # look again with the new rules at once
+        self.next_poll = now  # look again with the new rules at once (next wake, with a fresh NVML read)
+        self._round(now, scan=None)  # and publish what the reload stopped
         self.notifier.ready()
 
     def _shutdown(self) -> None:

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 from gpu_mon.api.model import Exited, Gpu, Holder, Snapshot
 from gpu_mon.api.procfs import sanitize
 from gpu_mon.api.ttys import active
-from gpu_mon.config import ALWAYS_IGNORED, Config, GpuSection, GpuSelection, ProcessSection
+from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection
 from gpu_mon.engine.decisions import Backoff, Decision, Instance, PolicyState, Start, Stop, Verdict
 
 # Fields whose failure leaves us unsure whether the GPU is in use (utilization and name are only shown).
@@ -99,13 +99,17 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
 
 
 def ignored(holder: Holder, rules: GpuSection) -> bool:
-    """Whether a holder does not make the GPU busy: an ignored program or user."""
-    return ignored_name(holder.name, holder.user, rules) or ignored_name(holder.argv0, holder.user, rules)
+    """Whether a holder does not make the GPU busy: a built-in monitor, an ignored program or user."""
+    return (
+        holder.monitor
+        or ignored_name(holder.name, holder.user, rules)
+        or ignored_name(holder.argv0, holder.user, rules)
+    )
 
 
 def ignored_name(name: str, user: str, rules: GpuSection) -> bool:
-    """Whether this program name or user is ignored by a [gpu-*] section (or always ignored)."""
-    return name in ALWAYS_IGNORED or name in rules.ignore_programs or user in rules.ignore_users
+    """Whether this program name or user is ignored by a [gpu-*] section."""
+    return name in rules.ignore_programs or user in rules.ignore_users
 
 
 def gpu_verdict(
@@ -142,9 +146,8 @@ def gpu_verdict(
             and snap.now - first >= grace
         ):
             continue  # holds the node without using the GPU (a monitor, a CUDA init on every GPU)
-        reasons.append(
-            f"{sanitize(h.user)} {sanitize(h.name)}[{h.pid}] holds {gpu.device or 'its device node'}"
-        )
+        node = h.nodes[0] if h.nodes else gpu.device or "its device node"
+        reasons.append(f"{sanitize(h.user)} {sanitize(h.name)}[{h.pid}] holds {sanitize(node)}")
     ours_mib = 0
     by_pid = {h.pid: h for h in snap.nvml_procs}
     for p in gpu.processes or ():

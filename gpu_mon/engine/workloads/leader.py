@@ -6,17 +6,22 @@ process-group leader of its workload and a child subreaper (orphaned descendants
 those that escaped with setsid are found); it gets SIGTERM when the daemon dies, and it never exits while a
 descendant lives, so the daemon can always signal the group by the leader's pid without PID reuse.
 
-Protocol: the daemon writes a JSON spec to the leader's stdin and closes it; the leader reports on the
-status fd named in the spec, one line each: `started PID`, `error MESSAGE`. The exit status of the leader is
-the workload's (128 + signal when killed; 127/126 when the command cannot be run).
+Stopping: SIGTERM (and SIGCONT, for stopped ones) to every descendant, then after the stop timeout SIGKILL:
+with a cgroup (the daemon moved the leader into the workload's group before sending the spec) by writing
+`cgroup.kill`, which takes the leader too; without one, by killing every descendant again and again until
+none is left.
 
-It imports only the standard library and gpu_mon.procfs, so it starts in a few tens of milliseconds.
+Protocol: the daemon writes a JSON spec to the leader's stdin and closes it; the leader reports on the
+status fd named in the spec, one line each: `started PID`, `exit STATUS` (the command's wait status, when it
+ends), `error MESSAGE`. The exit status of the leader is the workload's (128 + signal when killed; 127/126
+when the command cannot be run).
+
+It imports only the standard library, gpu_mon.api.procfs and linux.py, so it starts in tens of milliseconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -25,24 +30,12 @@ import sys
 import time
 from typing import Optional
 
-from gpu_mon.api import procfs
+from gpu_mon.engine.workloads import cgroups, linux
 
-PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
-PR_SET_CHILD_SUBREAPER = 36
 _SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
-
-
-def _prctl(option: int, arg: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _set_name(name: bytes) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+# Blocked and never taken, so a stray signal cannot kill the leader and orphan its workload; the command
+# gets them unblocked again.
+_STRAY = {signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGQUIT, signal.SIGPIPE}
 
 
 class Leader:
@@ -52,6 +45,7 @@ class Leader:
         self.spec = spec
         self.status_fd: int = int(spec["status_fd"])
         self.stop_timeout: float = float(spec["stop_timeout_seconds"])
+        self.cgroup: Optional[str] = spec.get("cgroup")
         self.child: Optional[subprocess.Popen] = None
         self.main_status: Optional[int] = None
         self.deadline: Optional[float] = None
@@ -92,30 +86,23 @@ class Leader:
         self.report(f"started {self.child.pid}")
         return None
 
-    def signal_all(self, sig: int) -> int:
-        """Signal every live descendant (group members and escaped ones alike); return how many."""
-        count = 0
-        for pid, start in procfs.descendants(os.getpid()).items():
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                continue
-            try:
-                st = procfs.read_stat(pid)
-                if st is not None and st.start_ticks == start and st.state != "Z":
-                    signal.pidfd_send_signal(fd, sig)
-                    count += 1
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        return count
-
     def begin_stop(self) -> None:
-        """SIGTERM to everything; SIGKILL after the stop timeout."""
+        """SIGTERM, then SIGCONT (a stopped process must wake to see it), to every descendant."""
         if self.deadline is None:
-            self.deadline = time.monotonic() + self.stop_timeout
-        self.signal_all(signal.SIGTERM)
+            # While the daemon lives it escalates (and says so); we follow a second later, as a backstop.
+            daemon_alive = os.getppid() == int(self.spec["daemon_pid"])
+            backstop = 1.0 if daemon_alive and self.main_status is None else 0.0
+            self.deadline = time.monotonic() + self.stop_timeout + backstop
+        me = os.getpid()
+        linux.kill_tree(me, signal.SIGTERM)
+        linux.kill_tree(me, signal.SIGCONT)
+
+    def kill_all(self) -> None:
+        """The stop timeout is over: SIGKILL everything (with a cgroup, the leader goes with it)."""
+        self.killed = True
+        if self.cgroup and cgroups.kill(self.cgroup):
+            return
+        linux.kill_until_gone(os.getpid())
 
     def reap(self) -> bool:
         """Reap every exited child; return False once we have no children left."""
@@ -129,6 +116,7 @@ class Leader:
             if self.child is not None and pid == self.child.pid:
                 self.child.returncode = 0  # stop Popen from waiting on it again
                 self.main_status = status
+                self.report(f"exit {status}")
 
     def run(self) -> int:
         """Wait for signals and children until nothing of the workload is left; return the exit code."""
@@ -142,8 +130,7 @@ class Leader:
             if self.deadline is not None:
                 timeout = self.deadline - time.monotonic()
                 if timeout <= 0:
-                    self.killed = True
-                    self.signal_all(signal.SIGKILL)  # again every 0.2 s until nothing is left
+                    self.kill_all()  # again every 0.2 s until nothing is left
                     timeout = 0.2
             info = (
                 signal.sigtimedwait(_SIGNALS, timeout)
@@ -164,21 +151,21 @@ def _exit_code(status: Optional[int]) -> int:
 
 
 def _unblock_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS | _STRAY)
 
 
 def main() -> int:
     """Entry point: read the spec from stdin, guard against the daemon dying, run the workload."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS | _STRAY)
     spec = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(spec["daemon_pid"]):
         return 1  # the daemon died before we could ask to be told; there is nothing to run for
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _set_name(b"gpu-mon-leader")
+    linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
+    linux.set_name(b"gpu-mon-leader")
     leader = Leader(spec)
     failed = leader.start()
     if failed is not None:

@@ -1,9 +1,15 @@
-"""Workload processes: spawn (through a leader, see leader.py), stop (TERM, then KILL, by process group),
-reap, relay output. Everything here is driven by the daemon's event loop; nothing blocks.
+"""Workload processes: spawn (through a leader, see leader.py), contain (a cgroup, or the subreaper), stop
+(TERM, then KILL), reap, relay output. Everything here is driven by the daemon's event loop; nothing blocks
+for long.
 
 Signals: the leader is our direct child and we reap it only after it has exited, so its pid (= the
 workload's process group id) cannot be reused while we may still signal the group: `killpg(leader_pid)` is
 as safe as a pidfd. Single processes (the leader, orphans) are signalled through pidfds.
+
+Containment is by descent, not by group: with a cgroup (cgroups.py) the SIGKILL step is `cgroup.kill`,
+which reaches every process the workload ever forked; without one, every descendant of the leader (the
+leader and the daemon are child subreapers, so escaped processes stay descendants) is killed until none is
+left.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from gpu_mon.api import procfs
 from gpu_mon.api.model import Exited, Running
 from gpu_mon.config import ProcessSection
 from gpu_mon.engine.decisions import Instance
+from gpu_mon.engine.workloads import cgroups, linux
 
 log = logging.getLogger("gpu_mon")
 
@@ -56,10 +63,13 @@ class Workload:
     out_fd: Optional[int]
     started_at: float
     command_pid: Optional[int] = None
+    cgroup: Optional[str] = None
     stopping: bool = False
     stop_reason: str = ""
+    stop_sent_at: Optional[float] = None
     kill_at: Optional[float] = None
     killed: bool = False
+    exit_status: Optional[int] = None  # the command's wait status, as the leader reported it
     detail: str = ""
     out_buf: bytes = b""
     status_buf: bytes = b""
@@ -94,12 +104,24 @@ def workload_env(section: ProcessSection, uuids: Tuple[str, ...]) -> Dict[str, s
 class Supervisor:
     """Owns every workload the daemon started."""
 
-    def __init__(self, selector: selectors.BaseSelector, stop_timeout: float):
+    def __init__(
+        self,
+        selector: selectors.BaseSelector,
+        stop_timeout: float,
+        cgroup_tree: Optional[cgroups.CgroupTree] = None,
+    ):
         self.selector = selector
         self.stop_timeout = stop_timeout
+        self.cgroup_tree = cgroup_tree
         self.workloads: Dict[str, Workload] = {}
         self.exits: List[Exited] = []
+        self.draining: List[str] = []  # cgroups of ended workloads that still have processes in them
         self.own_pid = os.getpid()
+
+    @property
+    def containment(self) -> str:
+        """`cgroup` or `subreaper`."""
+        return "cgroup" if self.cgroup_tree else "subreaper"
 
     # ------------------------------------------------------------------ starting
 
@@ -121,7 +143,7 @@ class Supervisor:
             os.set_blocking(out_fd, False)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(status_r, False)
-        spec = {
+        spec: dict = {
             "argv": list(section.cmd),
             "dir": section.dir,
             "env": workload_env(section, instance.gpus),
@@ -153,6 +175,8 @@ class Supervisor:
         finally:
             os.close(write_fd)
             os.close(status_w)
+        # The leader waits for its spec before it starts anything: move it into its cgroup first.
+        spec["cgroup"] = self._contain(popen.pid, label)
         try:
             assert popen.stdin is not None
             popen.stdin.write(json.dumps(spec).encode("utf-8"))
@@ -168,6 +192,7 @@ class Supervisor:
             status_fd=status_r,
             out_fd=out_fd,
             started_at=now,
+            cgroup=spec["cgroup"],
         )
         self.workloads[instance.key] = w
         self.selector.register(pidfd, selectors.EVENT_READ, ("exit", instance.key))
@@ -175,6 +200,15 @@ class Supervisor:
         if out_fd is not None:
             self.selector.register(out_fd, selectors.EVENT_READ, ("output", instance.key))
         return w
+
+    def _contain(self, leader_pid: int, label: str) -> Optional[str]:
+        if self.cgroup_tree is None:
+            return None
+        try:
+            return self.cgroup_tree.create(leader_pid)
+        except OSError as err:
+            log.warning("%s: cannot create its cgroup (%s): containing it by descent only", label, err)
+            return None
 
     # ------------------------------------------------------------------ stopping
 
@@ -184,8 +218,10 @@ class Supervisor:
         if w is None or w.stopping:
             return
         w.stopping, w.stop_reason = True, reason
+        w.stop_sent_at = now
         w.kill_at = now + self.stop_timeout
         _killpg(w.pid, signal.SIGTERM)
+        _killpg(w.pid, signal.SIGCONT)  # a stopped process sees its SIGTERM only once it runs
 
     def stop_all(self, reason: str, now: float) -> None:
         """Stop every workload."""
@@ -203,14 +239,38 @@ class Supervisor:
                 continue
             if not w.killed:
                 log.warning(
-                    "%s[%d] still running %.0f s after SIGTERM; sending SIGKILL to its process group",
+                    "%s[%d] still running %.1f s after SIGTERM; killing every process it started (%s)",
                     w.label,
                     w.pid,
                     self.stop_timeout,
+                    "cgroup.kill" if w.cgroup else "SIGKILL to each descendant",
                 )
+            elif not w.cgroup:
+                _killpg(w.pid, signal.SIGKILL)  # a second round: the leader itself has not finished
             w.killed = True
-            _killpg(w.pid, signal.SIGKILL)
+            if not (w.cgroup and cgroups.kill(w.cgroup)):
+                linux.kill_until_gone(w.pid)
             w.kill_at = now + 1.0
+        self.drain()
+
+    def drain(self) -> None:
+        """Kill and remove the cgroups of ended workloads until they are empty."""
+        for path in list(self.draining):
+            if not cgroups.populated(path) and cgroups.remove(path):
+                self.draining.remove(path)
+            else:
+                cgroups.kill(path)
+
+    def busy(self) -> bool:
+        """Whether any workload, or anything left of one, still runs."""
+        return bool(self.workloads or self.draining)
+
+    def next_deadline(self, now: float) -> Optional[float]:
+        """When `tick` next has something to do (monotonic), or None."""
+        kill = self.next_kill()
+        if self.draining:
+            kill = min(kill, now + 0.05) if kill is not None else now + 0.05
+        return kill
 
     # ------------------------------------------------------------------ events
 
@@ -222,10 +282,17 @@ class Supervisor:
         self.on_status(w)
         _killpg(w.pid, signal.SIGKILL)  # a leader killed by SIGKILL leaves its group behind
         code = w.popen.wait()
+        self._end_containment(w, code)
         self.on_output(w, final=True)
         for name in ("pidfd", "status_fd", "out_fd"):
             self._close_fd(w, name)
         returncode = 128 - code if code < 0 else code
+        if code == -signal.SIGKILL and w.exit_status is not None:
+            returncode = _status_code(w.exit_status)  # cgroup.kill took the leader after the command ended
+        if w.stopping and w.stop_sent_at is not None:
+            took = now - w.stop_sent_at
+            how = f"by SIGKILL after {took:.1f} s" if w.killed else f"in {took * 1000:.0f} ms (SIGTERM)"
+            log.info("%s[%d] stopped %s", w.label, w.pid, how)
         ex = Exited(
             key=key,
             started_at=w.started_at,
@@ -235,9 +302,16 @@ class Supervisor:
             detail=w.detail,
         )
         self.exits.append(ex)
-        if code < 0 and -code == signal.SIGKILL:
-            self.sweep_orphans()
         return ex
+
+    def _end_containment(self, w: Workload, code: int) -> None:
+        """Whatever the leader left behind (it was killed, or escaped processes raced it) dies now."""
+        if w.cgroup:
+            cgroups.kill(w.cgroup)
+            self.draining.append(w.cgroup)
+            self.drain()
+        elif code < 0:
+            self.sweep_orphans()
 
     def on_status(self, w: Workload) -> None:
         """Read the leader's status lines (`started PID`, `error ...`)."""
@@ -253,6 +327,8 @@ class Supervisor:
             kind, _, rest = text.partition(" ")
             if kind == "started" and rest.isdigit():
                 w.command_pid = int(rest)
+            elif kind == "exit" and rest.isdigit():
+                w.exit_status = int(rest)
             elif kind == "error":
                 w.detail = procfs.sanitize(rest)
                 log.error("%s: %s", w.label, w.detail)
@@ -298,34 +374,19 @@ class Supervisor:
             self.on_output(w)
         return None
 
-    def sweep_orphans(self) -> int:
-        """Kill and reap children that are not leaders: remnants of a workload whose leader was killed.
+    def sweep_orphans(self) -> None:
+        """Kill and reap our descendants that no live leader owns: remnants of a killed leader.
 
         We are a child subreaper (daemon.py), so they were reparented to us; only our own descendants can be.
         """
         leaders = {w.pid for w in self.workloads.values()}
-        count = 0
-        for pid in _children(self.own_pid):
-            if pid in leaders:
-                continue
-            count += 1
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                continue
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        linux.kill_until_gone(self.own_pid, skip=leaders)
         self.reap_orphans()
-        return count
 
     def reap_orphans(self) -> None:
         """Reap exited children that are not leaders (never a leader: those are reaped in on_exit)."""
         leaders = {w.pid for w in self.workloads.values()}
-        for pid in _children(self.own_pid):
+        for pid in linux.children(self.own_pid):
             if pid in leaders:
                 continue
             st = procfs.read_stat(pid)
@@ -391,24 +452,8 @@ def _read_some(fd: int, budget: int) -> Tuple[bytes, bool]:
     return b"".join(chunks), eof
 
 
-def _children(pid: int) -> List[int]:
-    """Direct children of a process (/proc/PID/task/TID/children where the kernel has it)."""
-    out: List[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        tasks = []
-    found = False
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-            found = True
-        except OSError:
-            continue
-    if not found:
-        out = [int(p) for p in procfs.list_pids() if (procfs.read_stat(int(p)) or _NO_STAT).ppid == pid]
-    return out
-
-
-_NO_STAT = procfs.ProcStat(pid=0, comm="", state="", ppid=-1, pgrp=0, sid=0, start_ticks=0)
+def _status_code(status: int) -> int:
+    """A wait status as an exit code (128 + signal when killed)."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1

@@ -1,0 +1,140 @@
+"""One daemon per state file: an exclusive `flock` on `STATE_FILE.lock`, held for the daemon's lifetime.
+
+The kernel drops a flock when its holder dies, even by SIGKILL, so a stale lock file never blocks a new
+daemon. The file is opened without following symlinks and without blocking (a FIFO planted there cannot hang
+us); it must be a regular file with one link, owned by us, in a directory that other users cannot write
+(unless it is sticky, like /tmp, where only the owner may replace a file). The file is never removed: a
+daemon that removed it could let two later ones lock two different files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+from typing import Optional
+
+
+class LockError(Exception):
+    """The lock cannot be had; str() is one line."""
+
+
+def lock_path(state_file: str) -> str:
+    """Where the lock of the daemon that writes `state_file` lives."""
+    return state_file + ".lock"
+
+
+def _check_directory(directory: str) -> None:
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid() and st.st_uid != 0:
+        raise LockError(
+            f"{directory}: owned by uid {st.st_uid}; put state_file in a directory owned by root or by "
+            "the user gpu-mon runs as (the default /run/gpu_mon is)"
+        )
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise LockError(
+            f"{directory}: every user may replace files in it; put state_file in a directory only root "
+            "can write (the default /run/gpu_mon is)"
+        )
+
+
+def _open(path: str) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise LockError(f"{path}: is a symbolic link; remove it (gpu-mon makes its own)") from None
+        raise LockError(f"{path}: {err.strerror}") from None
+    st = os.fstat(fd)
+    problem = ""
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to uid {st.st_uid}, not to us"
+    elif st.st_nlink != 1:
+        problem = "has other hard links"
+    if problem:
+        os.close(fd)
+        raise LockError(f"{path}: {problem}; remove it (gpu-mon makes its own)")
+    return fd
+
+
+class DaemonLock:
+    """The held lock; keep the object alive as long as the daemon runs."""
+
+    def __init__(self, state_file: str):
+        self.path = lock_path(state_file)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise LockError naming the daemon that has it."""
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, mode=0o755, exist_ok=True)
+            _check_directory(directory)
+        except OSError as err:
+            raise LockError(f"{directory}: {err.strerror}") from None
+        for _ in range(3):  # the file may be replaced between open and flock: lock what the path names
+            fd = _open(self.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                os.close(fd)
+                who = f"pid {holder}" if holder else "pid unknown"
+                raise LockError(f"another gpu-mon daemon is running ({who}; lock {self.path})") from None
+            if _same_file(fd, self.path):
+                self.fd = fd
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return
+            os.close(fd)
+        raise LockError(f"{self.path}: keeps being replaced while we lock it")
+
+    def release(self) -> None:
+        """Drop the lock (the file stays)."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read_pid(fd: int) -> Optional[int]:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def holder(state_file: str) -> Optional[int]:
+    """Pid of the live daemon that holds the lock of `state_file` (read-only probe), or None."""
+    path = lock_path(state_file)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_pid(fd) or -1
+        except OSError:
+            return None
+        return None  # we got it: nobody holds it
+    finally:
+        os.close(fd)

@@ -1,0 +1,148 @@
+"""cgroup v2 containment: one child group per workload under the daemon's own group, ended by `cgroup.kill`.
+
+`cgroup.kill` (Linux >= 5.14) SIGKILLs every process in the group, including ones forked while it runs, so a
+workload that double-forks, calls setsid or forks in a loop cannot outlive its stop. The daemon may create
+groups when its own group is writable: under systemd with `Delegate=yes`, or as root with a cgroup2 mount.
+Groups are named `gpu-mon.<daemon pid>.<leader pid>`; no controller is enabled, so the daemon may stay in
+the parent group (the "no internal processes" rule applies only to groups with controllers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from typing import List, Optional, Tuple
+
+from gpu_mon.api import procfs
+
+PREFIX = "gpu-mon."
+
+
+def own_group_dir(proc: str = procfs.PROC) -> Tuple[Optional[str], str]:
+    """Directory of this process's cgroup v2 group, or (None, why not)."""
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        return None, f"cannot read {proc}/self/cgroup: {err.strerror}"
+    path = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if path is None:
+        return None, "no cgroup v2 hierarchy (cgroup v1 only)"
+    mount = _cgroup2_mount(path, proc)
+    if mount is None:
+        return None, "the cgroup v2 hierarchy is not mounted here"
+    mountpoint, root = mount
+    rel = path[len(root) :] if root != "/" else path
+    return os.path.normpath(mountpoint + "/" + rel.lstrip("/")), ""
+
+
+def _cgroup2_mount(path: str, proc: str) -> Optional[Tuple[str, str]]:
+    """(mount point, mounted root) of a cgroup2 mount that contains `path`."""
+    try:
+        with open(f"{proc}/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if not sep or not right.startswith("cgroup2 "):
+            continue
+        fields = left.split()
+        root, mountpoint = _unescape(fields[3]), _unescape(fields[4])
+        if root == "/" or path == root or path.startswith(root.rstrip("/") + "/"):
+            return mountpoint, root
+    return None
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes blanks, tabs, newlines and backslashes as octal (\\040)."""
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+class CgroupTree:
+    """Creates, kills and removes the workloads' groups under one parent directory."""
+
+    def __init__(self, parent: str, daemon_pid: int):
+        self.parent = parent
+        self.daemon_pid = daemon_pid
+
+    @classmethod
+    def probe(cls, daemon_pid: int, proc: str = procfs.PROC) -> Tuple[Optional[CgroupTree], str]:
+        """A tree under our own group if we may create groups there (tried for real), else (None, why)."""
+        parent, why = own_group_dir(proc)
+        if parent is None:
+            return None, why
+        tree = cls(parent, daemon_pid)
+        test = os.path.join(parent, f"{PREFIX}{daemon_pid}.probe")
+        try:
+            os.mkdir(test)
+        except OSError as err:
+            return None, f"cannot create a group in {parent}: {err.strerror}"
+        has_kill = os.path.exists(os.path.join(test, "cgroup.kill"))
+        with contextlib.suppress(OSError):
+            os.rmdir(test)
+        if not has_kill:
+            return None, "the kernel has no cgroup.kill (Linux < 5.14)"
+        tree.remove_stale()
+        return tree, ""
+
+    def create(self, leader_pid: int) -> str:
+        """Make the group for one workload and move its leader into it; return the group's directory."""
+        path = os.path.join(self.parent, f"{PREFIX}{self.daemon_pid}.{leader_pid}")
+        os.mkdir(path)
+        try:
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(leader_pid))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            raise
+        return path
+
+    def remove_stale(self) -> List[str]:
+        """Remove empty groups that earlier daemons left behind (rmdir fails on a populated group)."""
+        removed = []
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.parent):
+                if name.startswith(PREFIX) and os.path.isdir(os.path.join(self.parent, name)):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(self.parent, name))
+                        removed.append(name)
+        return removed
+
+
+def kill(path: str) -> bool:
+    """SIGKILL every process in the group (and the ones it forks meanwhile); False if that failed."""
+    try:
+        with open(os.path.join(path, "cgroup.kill"), "w") as f:
+            f.write("1")
+        return True
+    except OSError as err:
+        return err.errno == errno.ENOENT  # already removed: nothing left to kill
+
+
+def populated(path: str) -> bool:
+    """Whether any process is left in the group (True when unsure: fail closed)."""
+    try:
+        with open(os.path.join(path, "cgroup.events")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "populated":
+                    return value.strip() != "0"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove(path: str) -> bool:
+    """Remove an empty group; False while it is still populated."""
+    try:
+        os.rmdir(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,100 @@
+"""The Linux calls that workload containment needs: prctl, pidfd signals, children lists, tree kills.
+
+Standard library and gpu_mon.api.procfs only: the leader (leader.py) imports this module, and it must start
+in tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from typing import Dict, Iterable, List, Optional, Set
+
+from gpu_mon.api import procfs
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, arg: int) -> None:
+    """prctl(option, arg); OSError on failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def set_name(name: bytes) -> None:
+    """The name `ps` and /proc/PID/comm show (15 bytes at most)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def signal_pid(pid: int, start_ticks: Optional[int], sig: int) -> bool:
+    """Signal one process through a pidfd, only if it is still the process that started at `start_ticks`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if start_ticks is not None:
+            st = procfs.read_stat(pid)
+            if st is None or st.start_ticks != start_ticks or st.state in ("Z", "X"):
+                return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def children(pid: int, proc: str = procfs.PROC) -> List[int]:
+    """Direct children of a process, from /proc/PID/task/TID/children (every thread's list)."""
+    out: List[int] = []
+    try:
+        tasks = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError), open(f"{proc}/{pid}/task/{tid}/children") as f:
+            out.extend(int(x) for x in f.read().split())
+    return out
+
+
+def descendants(root: int, skip: Iterable[int] = (), proc: str = procfs.PROC) -> Dict[int, int]:
+    """Every live descendant of `root` as {pid: start_ticks}, not entering the subtrees of `skip`."""
+    return procfs.descendants(root, proc, skip=set(skip))
+
+
+def kill_tree(root: int, sig: int, skip: Iterable[int] = (), proc: str = procfs.PROC) -> int:
+    """Send `sig` to every descendant of `root` (outside the subtrees of `skip`); return how many."""
+    count = 0
+    for pid, start in descendants(root, skip, proc).items():
+        if signal_pid(pid, start, sig):
+            count += 1
+    return count
+
+
+def kill_until_gone(root: int, skip: Iterable[int] = (), budget_seconds: float = 0.2) -> bool:
+    """SIGKILL every descendant of `root`, again and again, until none is left; False if some remain.
+
+    Without a cgroup this is the only way to reach processes that left the workload's session: they are
+    still our descendants, because the leader (and the daemon) are child subreapers. Each pass first kills
+    the direct children (orphans come back to us there) and then the whole tree; a pass misses only
+    processes forked after it listed them, which the next pass finds.
+    """
+    skipped: Set[int] = set(skip)
+    deadline = time.monotonic() + budget_seconds
+    while True:
+        for pid in children(root):
+            if pid not in skipped:
+                signal_pid(pid, None, signal.SIGKILL)
+        if not kill_tree(root, signal.SIGKILL, skipped):
+            return True  # nothing alive was left to fork anything new
+        if time.monotonic() > deadline:
+            return False
