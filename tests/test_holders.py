@@ -302,3 +302,129 @@ def test_incremental_scan_does_not_trust_an_entry_left_by_a_reused_pid(devices, 
     s._cache[str(p.pid)] = holders._Entry((ino + 1, ctime - 1, count, threads), frozenset())
     result = s.changed()
     assert result.held[p.pid] == {"GPU-0"} and p.pid in result.rescanned
+
+
+THREAD_TABLE = """
+import ctypes, os, sys, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+def own_table():
+    assert libc.unshare(0x400) == 0  # CLONE_FILES: this thread's fd table is its own from now on
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+    print("open", flush=True)
+    time.sleep(600)
+sys.stdin.readline()
+threading.Thread(target=own_table, daemon=True).start()
+sys.stdin.read()
+"""
+
+
+def test_a_thread_with_its_own_fd_table_is_found(devices, holding):
+    p = subprocess.Popen(
+        [sys.executable, "-c", THREAD_TABLE, devices[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    holding.procs.append(p)
+    s = scanner_for(*devices)
+    s.full()
+    assert p.pid not in s.full().held
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"open\n"
+    # The process's own table did not change; the new thread (and its table) is found incrementally too.
+    result = s.changed() if s.incremental else s.full()
+    assert result.held.get(p.pid) == {"GPU-1"}
+    assert scanner_for(*devices).full().held[p.pid] == {"GPU-1"}
+
+
+MAP_ONLY = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+c = ctypes
+libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+fd = os.open(sys.argv[1], os.O_RDONLY)
+addr = libc.mmap(None, 4096, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+assert addr not in (None, ctypes.c_void_p(-1).value)
+print("mapped", flush=True)
+sys.stdin.readline()
+os.close(fd)  # the mapping outlives the descriptor
+print("closed", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_memory_map_that_outlives_the_descriptor_is_found(tmp_path, devices, holding):
+    node = tmp_path / "nvidia-mapped"
+    node.write_bytes(b"\0" * 4096)
+    p = subprocess.Popen(
+        [sys.executable, "-c", MAP_ONLY, str(node)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    holding.procs.append(p)
+    assert p.stdout.readline() == b"mapped\n"
+    s = scanner_for(str(node))
+    assert s.full().held[p.pid] == {"GPU-0"}  # through the descriptor
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"closed\n"
+    # The descriptor is gone: the incremental scan re-reads it (its count changed) and finds the map.
+    result = s.changed() if s.incremental else s.full(maps=True)
+    assert result.held.get(p.pid) == {"GPU-0"}
+    assert result.released is False
+    # A fresh scanner finds it only when it reads maps (the periodic full scan does).
+    assert p.pid not in scanner_for(str(node)).full().held
+    assert scanner_for(str(node)).full(maps=True).held[p.pid] == {"GPU-0"}
+
+
+def test_a_holder_letting_go_asks_for_a_full_scan(devices, holding):
+    p = holding.start(devices[0])
+    s = scanner_for(*devices)
+    assert not s.full().released
+    holding.stop(p)
+    assert s.changed().released if s.incremental else s.full(pids=[str(p.pid)]).released
+
+
+def test_container_node_is_reported_for_watching(tmp_path, holding):
+    # A container's own node for the GPU: same device number, another inode, opened under its own path.
+    host = tmp_path / "host-nvidia0"
+    ctr = tmp_path / "ctr" / "dev" / "nvidia0"
+    ctr.parent.mkdir(parents=True)
+    rdev = os.stat("/dev/full").st_rdev
+    os.mknod(host, 0o600 | stat.S_IFCHR, rdev)
+    os.mknod(ctr, 0o600 | stat.S_IFCHR, rdev)
+    p = holding.start(str(ctr))
+    s = scanner_for(str(host))
+    result = s.full()
+    assert result.held[p.pid] == {"GPU-0"}
+    assert ("GPU-0", str(ctr)) in result.nodes[p.pid]
+    (watch,) = [path for uuid, path in s.extra_nodes.values() if uuid == "GPU-0"]
+    assert watch == f"/proc/{p.pid}/root{ctr}"
+    assert os.stat(watch).st_ino == os.stat(ctr).st_ino
+
+
+def _copy_exe(tmp_path: Path, owner: int) -> Path:
+    exe = tmp_path / f"bin{owner}" / "nvidia-smi"
+    exe.parent.mkdir()
+    with open(sys.executable, "rb") as src, open(exe, "wb") as dst:
+        dst.write(src.read())
+    os.chmod(exe, 0o755)
+    os.chown(exe, owner, owner)
+    return exe
+
+
+@pytest.mark.parametrize("owner,monitor", [(0, True), (65534, False)], ids=["root-owned", "user-owned"])
+def test_builtin_monitor_needs_a_root_owned_executable(tmp_path, devices, holding, owner, monitor):
+    exe = _copy_exe(tmp_path, owner)
+    env = {**os.environ, "PYTHONHOME": sys.base_prefix}
+    p = subprocess.Popen(
+        [str(exe), "-c", HOLD, "", devices[0]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    )
+    holding.procs.append(p)
+    assert p.stdout.readline() == b"ready\n"
+    h = holders.describe(p.pid, frozenset({"GPU-0"}))
+    assert h is not None and h.name == "nvidia-smi"
+    assert h.monitor is monitor
+
+
+def test_a_process_merely_named_like_a_monitor_is_not_one(devices, holding):
+    p = holding.start(devices[0], name="nvidia-smi", argv0="nvidia-smi")
+    h = holders.describe(p.pid, frozenset({"GPU-0"}))
+    assert h is not None and h.name == "nvidia-smi" and h.monitor is False

@@ -472,7 +472,12 @@ class Daemon:
             workloads=self._workload_views(),
             decisions=self.decisions,
             source=self.source,
-            daemon={"pid": os.getpid(), "start_ticks": self.start_ticks, "started_wall": self.started_wall},
+            daemon={
+                "pid": os.getpid(),
+                "start_ticks": self.start_ticks,
+                "started_wall": self.started_wall,
+                "containment": self.containment,
+            },
             wall=self.wall(),
         )
         self.status_line = self._status_line(plan, doc)

@@ -181,6 +181,8 @@ def render(doc: dict) -> str:
             f"gpu-mon {doc.get('gpu_mon')}: daemon running (pid {d['pid']}, up {up}); "
             f"config {doc.get('config')}; changed {_duration(now - doc['updated_wall'])} ago"
         )
+        if d.get("containment"):
+            lines.append(f"  containment: {d['containment']}")
     else:
         lines.append(
             f"gpu-mon {doc.get('gpu_mon')}: no daemon running; one fresh look at the host"

@@ -1,0 +1,185 @@
+"""Nothing a workload started outlives its stop, whatever it did: left its session or group, renamed itself,
+ignored SIGTERM, stopped itself, kept forking. Tried for every way a stop happens, with a cgroup and with
+the subreaper fallback (tests/hostile.py is the workload)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import List
+
+import pytest
+from conftest import GPU_MON, WORKLOAD_PYTHON, wait_for
+
+HOSTILE = Path(__file__).resolve().parent / "hostile.py"
+STOP_TIMEOUT = 1.0
+# The requirement is stop_timeout + 1 s; the rest is room for a loaded CI machine to notice.
+BOUND = STOP_TIMEOUT + 1.0 + 2.0
+
+
+def marked(marker: str) -> List[int]:
+    """Live (not zombie) processes whose command line carries the marker."""
+    out = []
+    needle = marker.encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if needle not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        out.append(int(name))
+    return out
+
+
+def body(tmp_path: Path, marker: str, mode: str, exit_after: float = 0, tty: str = "") -> str:
+    script = tmp_path / "hostile.py"
+    shutil.copy(HOSTILE, script)
+    return (
+        "[gpu-all]\ngpus = ALL\n\n[process-miner]\n"
+        f"cmd = {WORKLOAD_PYTHON} {script} {marker} {mode} {exit_after}\ngpus = 0\nuser = root\n{tty}"
+    )
+
+
+@pytest.fixture
+def cleanup_marked():
+    markers: List[str] = []
+    yield markers
+    for marker in markers:
+        for pid in marked(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _tty(tmp_path: Path) -> Path:
+    ttys = tmp_path / "pts"
+    ttys.mkdir()
+    term = ttys / "3"
+    term.touch()
+    os.chown(term, 65534, 65534)
+    old = time.time() - 3600
+    os.utime(term, (old, old))
+    return term
+
+
+def _trigger(how: str, d, sim, tmp_path: Path, term: Path, marker: str, openers: list) -> None:
+    if how == "foreign":
+        p = subprocess.Popen(
+            [WORKLOAD_PYTHON, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(600)", sim.device(0)]
+        )
+        openers.append(p)
+    elif how == "tty":
+        os.utime(term, None)
+    elif how == "reload":
+        d.write_config(d.body.replace(marker, marker.replace("gm-", "gm2-")))
+        d.signal(signal.SIGHUP)
+    elif how in ("sigterm", "sigint", "sigquit"):
+        d.signal({"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigquit": signal.SIGQUIT}[how])
+    elif how == "sigkill-daemon":
+        d.proc.kill()
+        d.proc.wait()
+    elif how == "sigkill-leader":
+        os.kill(int(d.workload("miner")["pid"]), signal.SIGKILL)
+
+
+TRIGGERS = [
+    "foreign",
+    "tty",
+    "reload",
+    "sigterm",
+    "sigint",
+    "sigquit",
+    "sigkill-daemon",
+    "sigkill-leader",
+    "exits-by-itself",
+]
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "subreaper"])
+@pytest.mark.parametrize("how", TRIGGERS)
+def test_nothing_outlives_a_stop(tmp_path, sim, daemon_factory, cleanup_marked, containment, how):
+    marker = f"gm-{uuid.uuid4().hex}"
+    cleanup_marked += [marker, marker.replace("gm-", "gm2-")]
+    term = _tty(tmp_path)
+    tty = f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n"
+    exit_after = 2.0 if how == "exits-by-itself" else 0
+    d = daemon_factory(
+        body(tmp_path, marker, "escape", exit_after, tty),
+        defaults={
+            "stop_timeout_seconds": STOP_TIMEOUT,
+            "containment": containment,
+            "restart_delay_seconds": 300,
+            "restart_delay_max_seconds": 300,
+        },
+    )
+    d.wait_log(f"containment: {containment}")
+    d.wait_log("hostile ready")
+    # main, the session escapee and its child, the own-group child, the stopped child
+    wait_for(lambda: len(marked(marker)) >= 5, what="every hostile process started")
+    main = d.wait_running("miner")
+    openers: list = []
+    try:
+        if how == "exits-by-itself":
+            wait_for(lambda: main not in marked(marker), timeout=10, what="the main process to exit")
+        else:
+            _trigger(how, d, sim, tmp_path, term, marker, openers)
+        started = time.monotonic()
+        wait_for(lambda: not marked(marker), timeout=BOUND, what=f"every hostile process gone ({how})")
+        took = time.monotonic() - started
+    finally:
+        for p in openers:
+            p.kill()
+            p.wait()
+    assert took < BOUND
+    if how not in ("sigkill-daemon", "sigterm", "sigint", "sigquit"):
+        assert d.proc.poll() is None, "the daemon itself must go on"
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "subreaper"])
+@pytest.mark.parametrize("how", ["foreign", "sigterm", "sigkill-daemon", "sigkill-leader"])
+def test_a_fork_chain_dies_too(tmp_path, sim, daemon_factory, cleanup_marked, how, containment):
+    # A process that forks, setsids and exits in a loop has a new pid every millisecond: cgroup.kill takes
+    # it at once; the subreaper catches it because each orphan comes back to it as a direct child.
+    marker = f"gm-{uuid.uuid4().hex}"
+    cleanup_marked.append(marker)
+    d = daemon_factory(
+        body(tmp_path, marker, "forkchain"),
+        defaults={
+            "stop_timeout_seconds": STOP_TIMEOUT,
+            "containment": containment,
+            "restart_delay_seconds": 300,
+            "restart_delay_max_seconds": 300,
+        },
+    )
+    d.wait_log("hostile ready")
+    wait_for(lambda: len(marked(marker)) >= 2, what="the chain running")
+    openers: list = []
+    try:
+        _trigger(how, d, sim, tmp_path, tmp_path, marker, openers)
+        wait_for(lambda: not marked(marker), timeout=BOUND, what="the fork chain gone")
+    finally:
+        for p in openers:
+            p.kill()
+            p.wait()
+
+
+def test_containment_is_in_status(tmp_path, sim, daemon_factory):
+    d = daemon_factory(body(tmp_path, f"gm-{uuid.uuid4().hex}", "escape"), defaults={"containment": "cgroup"})
+    d.wait_log("containment: cgroup")
+    wait_for(lambda: "cgroup" in str((d.state().get("daemon") or {}).get("containment")), what="state")
+    r = subprocess.run(
+        [*GPU_MON, "--config", str(d.config_path), "status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "containment: cgroup" in r.stdout
