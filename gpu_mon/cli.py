@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 from gpu_mon import __version__
 from gpu_mon.api.observe import Backend, Observer
 from gpu_mon.api.sim import SimBackend, SimError
+from gpu_mon.api.text import sanitize
 from gpu_mon.commands import stress
 from gpu_mon.config import (
     DEFAULT_PATH,
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _stderr(line: str, priority: int = 3) -> None:
     """One line on stderr; with a syslog priority prefix when stderr is the journal."""
     prefix = f"<{priority}>" if logs.stderr_is_journal() else ""
-    print(f"{prefix}{line}", file=sys.stderr)
+    print(f"{prefix}{sanitize(line, 4096)}", file=sys.stderr)
 
 
 def _config_path(args: argparse.Namespace) -> Tuple[str, bool]:

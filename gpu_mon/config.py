@@ -13,16 +13,20 @@ import math
 import os
 import pwd
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from gpu_mon import safefile
+from gpu_mon import safefile, shellwords
 
 DEFAULT_PATH = "/etc/gpu_mon.conf"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_SECONDS = 365 * 86400.0
 MAX_MIB = 1 << 30
+MAX_VALUE_CHARS = 65536  # a longer value is an error (a cmd longer than this is a mistake, not a command)
+# Minimums for intervals that drive loops: below them a typo would make the daemon spin.
+MIN_INTERVAL_SECONDS = 0.1
+MIN_FULL_SCAN_SECONDS = 1.0
+MIN_RESTART_DELAY_SECONDS = 0.1
 # Always ignored as GPU holders: they only read state (DESIGN.md "[gpu-NAME]").
 DEFAULT_TTY_DEVICES = ("/dev/pts/*", "/dev/tty[0-9]*")
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*$")
@@ -136,6 +140,14 @@ class _RawSection:
     name: str
     line: int
     items: List[Tuple[str, str, int]] = field(default_factory=list)
+    more: Dict[int, List[str]] = field(default_factory=dict)  # item index -> its continuation lines
+
+    def join(self) -> None:
+        """Put continuation lines into their values (once, at the end: joining per line is quadratic)."""
+        for index, lines in self.more.items():
+            key, value, at = self.items[index]
+            self.items[index] = (key, "\n".join([value, *lines]).strip(), at)
+        self.more = {}
 
 
 def _lex(
@@ -144,6 +156,7 @@ def _lex(
     """Split into sections; lines with control characters go to `bad_lines` (line -> error)."""
     sections: List[_RawSection] = []
     seen: Dict[str, int] = {}
+    keys_seen: Dict[str, int] = {}  # key -> line, in the current section
     current: Optional[_RawSection] = None
     header_seen = False  # a '[...' line was met, even a broken one
     last_item: Optional[int] = None  # index into current.items that an indented line continues
@@ -163,8 +176,7 @@ def _lex(
             raw = _CONTROL_RE.sub("\ufffd", raw)
             stripped = raw.strip()
         if raw[0] in " \t" and current is not None and last_item is not None:
-            key, value, at = current.items[last_item]
-            current.items[last_item] = (key, (value + "\n" + stripped).strip(), at)
+            current.more.setdefault(last_item, []).append(stripped)
             continue
         last_item = None
         if stripped.startswith("["):
@@ -184,6 +196,7 @@ def _lex(
                 current = None
                 continue
             seen[name] = lineno
+            keys_seen = {}
             current = _RawSection(name, lineno)
             sections.append(current)
             continue
@@ -198,12 +211,16 @@ def _lex(
         i = min(cut)
         key = stripped[:i].strip().lower()
         value = stripped[i + 1 :].strip()
-        dup = [at for k, _, at in current.items if k == key]
-        if dup:
-            errors.append(f"{where(lineno)}: [{current.name}] {key}: set twice (first at line {dup[0]})")
+        if key in keys_seen:
+            errors.append(
+                f"{where(lineno)}: [{current.name}] {key}: set twice (first at line {keys_seen[key]})"
+            )
             continue
+        keys_seen[key] = lineno
         current.items.append((key, value, lineno))
         last_item = len(current.items) - 1
+    for section in sections:
+        section.join()
     return sections
 
 
@@ -228,6 +245,13 @@ def _seconds(value: str, minimum: float = 0.0, exclusive: bool = False) -> float
 
 def _positive_seconds(value: str) -> float:
     return _seconds(value, 0.0, exclusive=True)
+
+
+def _at_least(minimum: float) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        return _seconds(value, minimum)
+
+    return parse
 
 
 def _mib(value: str) -> int:
@@ -290,7 +314,7 @@ def _gpus(value: str) -> GpuSelection:
 
 def _command(value: str) -> Tuple[str, ...]:
     try:
-        argv = shlex.split(value)
+        argv = shellwords.split(value)
     except ValueError as err:
         raise ValueError(f"cannot split {value!r}: {err}") from None
     if not argv:
@@ -302,7 +326,7 @@ def _command(value: str) -> Tuple[str, ...]:
 
 def _env(value: str) -> Tuple[Tuple[str, str], ...]:
     try:
-        words = shlex.split(value)
+        words = shellwords.split(value)
     except ValueError as err:
         raise ValueError(f"cannot split {value!r}: {err}") from None
     pairs: List[Tuple[str, str]] = []
@@ -380,6 +404,9 @@ class _Section:
                 hint = f" (did you mean '{near[0]}'?)" if near else f" (known keys: {', '.join(schema)})"
                 self.error(line, key, f"unknown key{hint}")
                 continue
+            if len(value) > MAX_VALUE_CHARS:
+                self.error(line, key, f"value too long ({len(value)} characters; at most {MAX_VALUE_CHARS})")
+                continue
             try:
                 out[key] = (schema[key](value), line)
             except ValueError as err:
@@ -397,13 +424,13 @@ def _user_names_warning(names: Tuple[str, ...], what: str, sec: _Section, line: 
 
 def _defaults(sec: _Section, base: str) -> Defaults:
     schema: Dict[str, Callable[[str], object]] = {
-        "interval_seconds": _positive_seconds,
+        "interval_seconds": _at_least(MIN_INTERVAL_SECONDS),
         "start_delay_seconds": _seconds,
         "stop_timeout_seconds": _positive_seconds,
-        "restart_delay_seconds": _seconds,
+        "restart_delay_seconds": _at_least(MIN_RESTART_DELAY_SECONDS),
         "restart_delay_max_seconds": _seconds,
         "healthy_run_seconds": _seconds,
-        "full_scan_seconds": _positive_seconds,
+        "full_scan_seconds": _at_least(MIN_FULL_SCAN_SECONDS),
         "watch_opens": _bool,
         "state_file": _path(base),
         "containment": _choice("auto", "cgroup", "subreaper"),

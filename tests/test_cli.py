@@ -136,7 +136,7 @@ def test_run_with_bad_config_exits_2_without_traceback(tmp_path, sim):
     path = write_config(tmp_path / "c.conf", "[defaults]\ninterval_seconds = -1\n")
     r = gpu_mon("--config", str(path), "--sim", str(sim.path), "run")
     assert r.returncode == 2
-    assert r.stderr.strip() == f"{path}:2: [defaults] interval_seconds: '-1' must be greater than 0"
+    assert r.stderr.strip() == f"{path}:2: [defaults] interval_seconds: '-1' must be at least 0.1"
 
 
 def holder_process(path: str) -> subprocess.Popen:

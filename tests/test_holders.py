@@ -15,6 +15,7 @@ from conftest import wait_for
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Gpu
+from gpu_mon.api.text import sanitize
 
 HOLD = """
 import ctypes, os, sys, time
@@ -126,7 +127,7 @@ def test_hostile_process_names(devices, holding, name):
     expected = name.encode()[:15].decode("utf-8", "ignore")  # the kernel keeps 15 bytes of comm
     assert h is not None and h.name.startswith(expected[:5])
     assert h.pid == p.pid and h.user == "root" and h.gpus == {"GPU-0"}
-    assert "\n" not in procfs.sanitize(h.label)
+    assert "\n" not in sanitize(h.label)
 
 
 def test_stat_parser_handles_names_that_look_like_fields(holding, devices):
@@ -275,8 +276,8 @@ def test_ancestors_and_descendants():
 
 
 def test_sanitize_escapes_control_characters():
-    assert procfs.sanitize("a\nb\x1b[0m\x85\u2028c") == "a\\x0ab\\x1b[0m\\x85\\u2028c"
-    assert procfs.sanitize("x" * 300, limit=10) == "x" * 10 + "..."
+    assert sanitize("a\nb\x1b[0m\x85\u2028c") == "a\\x0ab\\x1b[0m\\x85\\u2028c"
+    assert sanitize("x" * 300, limit=10) == "x" * 10 + "..."
 
 
 def test_fd_count_probe_matches_kernel():

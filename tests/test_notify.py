@@ -195,7 +195,7 @@ def test_journal_priorities(tmp_path, sim):
 def test_errors_are_priority_3(tmp_path):
     conf = write_config(tmp_path / "c.conf", "[defaults]\ninterval_seconds = 0\n")
     text = run_with_journal_stream(tmp_path, "--config", str(conf), "run")
-    assert text == f"<3>{conf}:2: [defaults] interval_seconds: '0' must be greater than 0\n"
+    assert text == f"<3>{conf}:2: [defaults] interval_seconds: '0' must be at least 0.1\n"
     text = run_with_journal_stream(tmp_path, "--config", str(tmp_path / "missing.conf"), "check")
     assert text.startswith("<3>") and text.count("\n") == 1
 

@@ -393,7 +393,18 @@ def test_missing_file(tmp_path):
 
 
 def test_directory_instead_of_a_file(tmp_path):
-    assert SimBackend(str(tmp_path)).read() == GpuReading(gpus=(), error=f"{tmp_path}: Is a directory")
+    assert SimBackend(str(tmp_path)).read() == GpuReading(gpus=(), error=f"{tmp_path}: not a regular file")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_device_is_refused_without_hanging(tmp_path, kind, alarm):
+    # Opening a FIFO for reading blocks until a writer comes; /dev/zero never ends.
+    path = tmp_path / "sim.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path("/dev/zero")
+    assert SimBackend(str(path)).read() == GpuReading(gpus=(), error=f"{path}: not a regular file")
 
 
 def test_file_at_the_size_limit_loads(tmp_path):

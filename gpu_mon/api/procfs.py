@@ -84,20 +84,6 @@ def display_name(comm: str, argv0: str) -> str:
     return comm
 
 
-def sanitize(text: str, limit: int = 200) -> str:
-    """Make untrusted text (process names, workload output) safe for one log line."""
-    out = []
-    for ch in text[:limit]:
-        code = ord(ch)
-        if code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0 or ch in "\u2028\u2029":
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
-        else:
-            out.append(ch)
-    if len(text) > limit:
-        out.append("...")
-    return "".join(out)
-
-
 _USERS: Dict[int, Tuple[str, float]] = {}
 _USER_TTL_SECONDS = 300.0
 

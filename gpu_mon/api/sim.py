@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import Any, List, Optional, Tuple
 
 from gpu_mon.api.model import Gpu, GpuProcess, GpuReading
@@ -38,6 +39,29 @@ def _int(value: Any, where: str, minimum: int = 0) -> Optional[int]:
     return int(value)
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """Read up to `limit` bytes of a regular file; a FIFO or a device is refused, never waited on."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise SimError(f"{path}: {err.strerror or err}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SimError(f"{path}: not a regular file")
+        chunks, size = [], 0
+        while size < limit:
+            chunk = os.read(fd, limit - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    except OSError as err:
+        raise SimError(f"{path}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+
+
 class SimBackend:
     """Reads GPUs from a JSON file each look; same interface as NvmlBackend."""
 
@@ -47,11 +71,7 @@ class SimBackend:
 
     def load(self) -> Tuple[Gpu, ...]:
         """Parse the file; raise SimError with a one-line reason."""
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read(MAX_SIM_BYTES + 1)
-        except OSError as err:
-            raise SimError(f"{self.path}: {err.strerror or err}") from None
+        data = _read_regular(self.path, MAX_SIM_BYTES + 1)
         if len(data) > MAX_SIM_BYTES:
             raise SimError(f"{self.path}: too large (at most {MAX_SIM_BYTES} bytes)")
         try:

@@ -10,6 +10,8 @@ processes whose fd count changed) with the last GPU reading, so the opener is us
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -98,6 +100,9 @@ class Daemon:
         self.reload_requested = False
         self.status_requested = False
         self.full_scan_requested = False
+        self.reload_future: Optional[concurrent.futures.Future] = None
+        self.reload_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.reload_again = False
         self.child_exited = False
         self.opened: Set[str] = set()
         self.watched: Tuple[str, ...] = ()
@@ -267,7 +272,12 @@ class Daemon:
         # Slower work comes after the yield path, so that it never delays a stop.
         if self.reload_requested:
             self.reload_requested = False
-            self._reload(now)
+            self._start_reload()
+        if self.reload_future is not None and self.reload_future.done():
+            self._finish_reload(now)
+            if self.reload_again:
+                self.reload_again = False
+                self._start_reload()
         if self.status_requested:
             self.status_requested = False
             log.info("status: %s", self.status_line or "no round yet")
@@ -521,11 +531,26 @@ class Daemon:
 
     # ------------------------------------------------------------------ reload and shutdown
 
-    def _reload(self, now: float) -> None:
+    def _start_reload(self) -> None:
+        """SIGHUP: read and check the config in a worker thread, so that a huge or slow file (a user
+        database behind NSS, too) never holds up the loop; the result is applied by `_finish_reload`."""
+        if self.reload_future is not None:
+            self.reload_again = True
+            return
         self.notifier.reloading()
-        path = self.config.path
+        self.reload_future = self._reloader().submit(config_mod.load, self.config.path, self.trusted_uid)
+        self.reload_future.add_done_callback(lambda _f: _poke(self._wake_w))
+
+    def _reloader(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self.reload_pool is None:
+            self.reload_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpu-mon-reload")
+        return self.reload_pool
+
+    def _finish_reload(self, now: float) -> None:
+        future, self.reload_future = self.reload_future, None
+        assert future is not None
         try:
-            new = config_mod.load(path, self.trusted_uid)
+            new = future.result()
         except ConfigError as err:
             for line in err.errors:
                 log.error("reload: %s", line)
@@ -535,6 +560,23 @@ class Daemon:
             )
             self.notifier.ready()
             return
+        except Exception:  # an unexpected error reading the file: keep running on what we have
+            log.exception("reload failed; still running on the old config")
+            self.notifier.ready()
+            return
+        self._apply(self._keep_start_only(new), now)
+
+    def _keep_start_only(self, new: Config) -> Config:
+        """state_file and containment are fixed for the daemon's life (the lock, the cgroup tree)."""
+        d, old = new.defaults, self.config.defaults
+        for key in ("state_file", "containment"):
+            if getattr(d, key) != getattr(old, key):
+                log.warning("reload: [defaults] %s changes take effect when gpu-mon restarts", key)
+        fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
+        return dataclasses.replace(new, defaults=fixed)
+
+    def _apply(self, new: Config, now: float) -> None:
+        path = new.path
         old = policy.processes_by_name(self.config)
         fresh = policy.processes_by_name(new)
         changed = [n for n, p in old.items() if n not in fresh or fresh[n].fingerprint != p.fingerprint]
@@ -568,10 +610,18 @@ class Daemon:
         self.supervisor.stop_all("gpu-mon is stopping", now)
 
     def _finish(self) -> None:
+        if self.reload_pool is not None:
+            self.reload_pool.shutdown(wait=True)
         log.info("gpu-mon stopped")
         statefile.remove(self.config.defaults.state_file)
         self._teardown_inotify()
         self.observer.backend.close()
+
+
+def _poke(fd: int) -> None:
+    """Wake the loop (from another thread)."""
+    with contextlib.suppress(OSError):
+        os.write(fd, b"\0")
 
 
 def _drain(fd: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from gpu_mon.api.model import Exited, Gpu, Holder, Snapshot
-from gpu_mon.api.procfs import sanitize
+from gpu_mon.api.text import sanitize
 from gpu_mon.api.ttys import active
 from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection
 from gpu_mon.engine.decisions import Backoff, Decision, Instance, PolicyState, Start, Stop, Verdict

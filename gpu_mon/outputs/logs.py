@@ -1,4 +1,6 @@
-"""Logging to stderr: syslog priority prefixes when stderr is the journal, timestamps in a terminal.
+"""Logging to stderr: syslog priority prefixes when stderr is the journal, timestamps with milliseconds
+elsewhere. Every message is one line with untrusted characters escaped (api/text.py); only a traceback
+spans lines.
 
 systemd sets JOURNAL_STREAM=DEV:INODE for a service whose stderr is connected to journald; when it matches
 our stderr, every line (each line of a traceback too) starts with `<N>` so journald files it at priority N.
@@ -10,6 +12,8 @@ import logging
 import os
 import sys
 from typing import Optional, TextIO
+
+from gpu_mon.api.text import sanitize
 
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
@@ -26,6 +30,18 @@ def stderr_is_journal(stream: Optional[TextIO] = None, env: Optional[dict] = Non
     except (OSError, ValueError, AttributeError):
         return False
     return st.st_dev == int(dev) and st.st_ino == int(ino)
+
+
+_MAX_MESSAGE = 8192
+
+
+class OneLine(logging.Filter):
+    """Turn each record's message into one safe line (names, commands and output are untrusted)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = sanitize(record.getMessage(), _MAX_MESSAGE)
+        record.args = None
+        return True
 
 
 class JournalFormatter(logging.Formatter):
@@ -47,11 +63,10 @@ def setup(debug: bool = False, stream: Optional[TextIO] = None) -> logging.Logge
     if stderr_is_journal(stream):
         handler.setFormatter(JournalFormatter("%(message)s"))
     else:
-        handler.setFormatter(
-            logging.Formatter(
-                "%(asctime)s gpu-mon[%(process)d] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"
-            )
-        )
+        fmt = logging.Formatter("%(asctime)s.%(msecs)03d gpu-mon[%(process)d] %(levelname)s %(message)s")
+        fmt.datefmt = "%Y-%m-%d %H:%M:%S"
+        handler.setFormatter(fmt)
+    handler.addFilter(OneLine())
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     logger.propagate = False

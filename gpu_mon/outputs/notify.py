@@ -12,7 +12,7 @@ import os
 import time
 from typing import Optional
 
-from gpu_mon.api.procfs import sanitize
+from gpu_mon.api.text import sanitize
 
 _MAX_STATUS = 1024
 

@@ -7,7 +7,7 @@ from typing import Dict, Iterable, List, Optional
 
 from gpu_mon import __version__
 from gpu_mon.api.model import Holder, Snapshot
-from gpu_mon.api.procfs import sanitize
+from gpu_mon.api.text import sanitize, sanitize_lines
 from gpu_mon.api.ttys import active
 from gpu_mon.config import Config
 from gpu_mon.engine.decisions import Decision
@@ -253,4 +253,4 @@ def render(doc: dict) -> str:
         for entry in doc["decisions"][-10:]:
             stamp = time.strftime("%H:%M:%S", time.localtime(entry["wall"]))
             lines.append(f"    {stamp}  {entry['text']}")
-    return "\n".join(lines)
+    return sanitize_lines("\n".join(lines))

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 from gpu_mon import safefile
 from gpu_mon.api import procfs
 from gpu_mon.api.model import Exited, Running
+from gpu_mon.api.text import sanitize
 from gpu_mon.config import ProcessSection
 from gpu_mon.engine.decisions import Instance
 from gpu_mon.engine.workloads import cgroups, linux
@@ -330,7 +331,7 @@ class Supervisor:
             elif kind == "exit" and rest.isdigit():
                 w.exit_status = int(rest)
             elif kind == "error":
-                w.detail = procfs.sanitize(rest)
+                w.detail = sanitize(rest)
                 log.error("%s: %s", w.label, w.detail)
 
     def on_output(self, w: Workload, final: bool = False) -> None:
@@ -350,7 +351,7 @@ class Supervisor:
         pid = w.pid  # the workload's session and process group id, as in every other log line about it
         for raw in lines:
             text = raw.decode("utf-8", "backslashreplace").rstrip("\r")
-            log.info("%s[%d]: %s", w.label, pid, procfs.sanitize(text, limit=_MAX_LINE))
+            log.info("%s[%d]: %s", w.label, pid, sanitize(text, limit=_MAX_LINE))
 
     def _close_fd(self, w: Workload, name: str) -> None:
         fd = getattr(w, name)
