@@ -1,0 +1,106 @@
+"""The daemon's signals: each one either has a documented meaning or is ignored, and none leaves workloads
+behind. Also: a reload never delays a yield, and untrusted names are escaped in what the admin reads."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import GPU_MON, WORKLOAD_PYTHON, pid_alive, workload_cmd
+
+
+def miner(tmp_path: Path, extra: str = "") -> str:
+    cmd = workload_cmd(tmp_path)
+    return f"[gpu-all]\ngpus = ALL\n\n[process-miner]\ncmd = {cmd}\ngpus = 0\nuser = root\n{extra}"
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM], ids=["USR1", "USR2", "ALRM"]
+)
+def test_stray_signals_neither_kill_the_daemon_nor_its_workloads(tmp_path, sim, daemon_factory, sig):
+    d = daemon_factory(miner(tmp_path))
+    pid = d.wait_running("miner")
+    leader = int(d.workload("miner")["pid"])
+    for _ in range(3):
+        d.signal(sig)
+        subprocess.run(["kill", f"-{sig.name[3:]}", str(leader)], check=True)  # the leader shrugs too
+    if sig == signal.SIGUSR1:
+        d.wait_log(r"status: 1/2 GPUs running work", count=3)
+    d.signal(signal.SIGUSR1)
+    d.wait_log(r"status: ")  # the loop still answers
+    assert d.proc.poll() is None and pid_alive(pid) and pid_alive(leader)
+    assert d.workload("miner")["state"] == "running"
+
+
+def test_sigquit_stops_like_sigterm(tmp_path, sim, daemon_factory):
+    d = daemon_factory(miner(tmp_path))
+    pid = d.wait_running("miner")
+    d.signal(signal.SIGQUIT)
+    assert d.proc.wait(20) == 0
+    assert not pid_alive(pid)
+
+
+def test_a_reload_with_a_huge_config_does_not_delay_a_yield(tmp_path, sim, daemon_factory):
+    d = daemon_factory(miner(tmp_path))
+    d.wait_running("miner")
+    # 1 MB of config whose every line is a problem: slow to check, and it must be checked off the loop.
+    junk = "".join(f"key_{i:06d} = {'v' * 40}\n" for i in range(18_000))
+    d.write_config(d.body + "[process-junk]\ncmd = x\n" + junk)
+    d.signal(signal.SIGHUP)
+    opener = subprocess.Popen(
+        [
+            WORKLOAD_PYTHON,
+            "-c",
+            "import sys, time; f = open(sys.argv[1]); print(1, flush=True); time.sleep(60)",
+            sim.device(0),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert opener.stdout.readline() == b"1\n"
+        opened = time.time()
+        line = d.wait_log(rf"\[{opener.pid}\] holds .*; stopping miner")[0]
+        stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+        assert stamp - opened < 1.0, line  # the log's own clock: milliseconds since the open
+        d.wait_log(r"reload failed \(18000 problem\(s\)\)")
+    finally:
+        opener.kill()
+        opener.wait()
+
+
+def test_bidi_and_control_characters_are_escaped_everywhere(tmp_path, sim, daemon_factory):
+    # In the command (a config may hold U+202E, not ESC), in the workload's output, in a process name.
+    cmd = workload_cmd(tmp_path, "--say", "out\u202eput\\x1b[2J")
+    d = daemon_factory(f"[gpu-all]\ngpus = ALL\n\n[process-miner]\ncmd = {cmd}\ngpus = 0\nuser = root\n")
+    d.wait_running("miner")
+    d.wait_log(r"starting miner.*out\\u202eput")
+    d.wait_log(r"miner\[\d+\]: out.*put\\x1b\[2J")  # (workload.py's unescaping garbles the U+202E)
+    holder = subprocess.Popen(
+        [
+            WORKLOAD_PYTHON,
+            "-c",
+            "import ctypes, sys, time; c = ctypes;"
+            "c.CDLL(None).prctl(15, c.c_char_p(sys.argv[2].encode()), 0, 0, 0);"
+            "f = open(sys.argv[1]); print(1, flush=True); time.sleep(60)",
+            sim.device(1),
+            "ev\u202eil\x1b",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout.readline() == b"1\n"
+        d.wait_log(r"GPU 1 .* busy: root ev\\u202eil\\x1b\[")
+        status = subprocess.run(
+            [*GPU_MON, "--config", str(d.config_path), "status"], capture_output=True, text=True, timeout=30
+        ).stdout
+        assert "ev\\u202eil\\x1b" in status
+    finally:
+        holder.kill()
+        holder.wait()
+    for text in (d.log(), status):
+        assert "\u202e" not in text and "\x1b" not in text
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} gpu-mon\[", d.log(), re.M)
