@@ -745,3 +745,56 @@ def test_real_gpus_are_read():
         assert g.processes is not None
         assert not any(e.startswith(("uuid:", "memory:", "compute processes:")) for e in g.errors), g.errors
     assert len({g.uuid for g in reading.gpus}) == len(reading.gpus)
+
+
+class StubNvmlV2(StubNvml):
+    """Bindings and a driver with nvmlDeviceGetMemoryInfo_v2: `used` leaves the driver's reserve out."""
+
+    nvmlMemory_v2 = 0x02000028
+
+    def __init__(self, *args, v2_error=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.v2_error = v2_error
+        self.versions = []
+
+    def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+        self.versions.append(version)
+        g = self.gpus[handle.index]
+        if version is None:
+            return super().nvmlDeviceGetMemoryInfo(handle)
+        self._enter("nvmlDeviceGetMemoryInfo", handle.index)
+        if self.v2_error is not None:
+            raise NVMLError(self.v2_error)
+        reserved = 480 << 20
+        used = g["used"] - reserved if g["used"] >= reserved else 0
+        return SimpleNamespace(total=g["total"], reserved=reserved, used=used, free=g["total"] - g["used"])
+
+
+def test_memory_info_v2_reports_the_driver_reserve_apart():
+    stub = StubNvmlV2(gpus=[gpu(0, used=480 << 20)])
+    (g,) = backend(stub).read().gpus
+    assert (g.memory_used_mib, g.memory_reserved_mib) == (0, 480)  # an idle GPU looks idle
+    assert stub.versions == [StubNvmlV2.nvmlMemory_v2]
+
+
+@pytest.mark.parametrize("code", [FUNCTION_NOT_FOUND, NOT_SUPPORTED], ids=["old-driver", "not-supported"])
+def test_memory_info_falls_back_to_v1_once(code):
+    stub = StubNvmlV2(gpus=[gpu(0, used=480 << 20)], v2_error=code)
+    b = backend(stub)
+    for _ in range(2):
+        (g,) = b.read().gpus
+        assert (g.memory_used_mib, g.memory_reserved_mib, g.errors) == (480, None, ())
+    assert stub.versions == [StubNvmlV2.nvmlMemory_v2, None, None]  # v2 tried once, then v1 only
+
+
+def test_memory_info_v2_error_is_an_unreadable_field():
+    stub = StubNvmlV2(v2_error=UNKNOWN)
+    g0 = backend(stub).read().gpus[0]
+    assert g0.memory_used_mib is None and any(e.startswith("memory:") for e in g0.errors)
+
+
+def test_bindings_without_the_version_argument_use_v1():
+    stub = StubNvml(gpus=[gpu(0, used=100 << 20)])
+    stub.nvmlMemory_v2 = 0x02000028  # a constant, but a v1-only nvmlDeviceGetMemoryInfo(handle)
+    (g,) = backend(stub).read().gpus
+    assert g.memory_used_mib == 100 and g.memory_reserved_mib is None

@@ -25,8 +25,9 @@ class Gpu:
     minor: Optional[int] = None
     device: Optional[str] = None  # path of the device node (or the simulator's stand-in file)
     memory_total_mib: Optional[int] = None
-    memory_used_mib: Optional[int] = None
+    memory_used_mib: Optional[int] = None  # by processes and contexts (NVML v2: the driver's reserve apart)
     utilization_pct: Optional[int] = None
+    memory_reserved_mib: Optional[int] = None  # held back by the driver (NVML memory info v2), not in use
     # None: the process list could not be read (the GPU then counts as busy).
     processes: Optional[Tuple[GpuProcess, ...]] = ()
     errors: Tuple[str, ...] = ()  # "field: what went wrong", one per unreadable field

@@ -45,6 +45,7 @@ class NvmlBackend:
         self._nv = module
         self._ready = False
         self._chosen: Dict[str, str] = {}  # "compute"/"graphics" -> the process call that works here
+        self._memory_v2: Optional[bool] = None  # None: not tried yet
         self.last_timings: Dict[Tuple[str, int], float] = {}
 
     def _module(self) -> ModuleType:
@@ -138,7 +139,7 @@ class NvmlBackend:
         uuid = _text(self._field(index, "uuid", errors, nv.nvmlDeviceGetUUID, handle))
         name = _text(self._field(index, "name", errors, nv.nvmlDeviceGetName, handle))
         minor = self._field(index, "minor number", errors, nv.nvmlDeviceGetMinorNumber, handle)
-        memory = self._field(index, "memory", errors, nv.nvmlDeviceGetMemoryInfo, handle)
+        memory = self._memory(index, handle, errors)
         util = self._field(index, "utilization", errors, nv.nvmlDeviceGetUtilizationRates, handle)
         procs = self._processes(index, handle, errors)
         if uuid is None and not any(e.startswith("uuid:") for e in errors):
@@ -151,10 +152,31 @@ class NvmlBackend:
             device=f"{self._dev_dir}/nvidia{minor}" if isinstance(minor, int) else None,
             memory_total_mib=int(memory.total) // _MIB if memory is not None else None,
             memory_used_mib=int(memory.used) // _MIB if memory is not None else None,
+            memory_reserved_mib=_reserved_mib(memory),
             utilization_pct=int(util.gpu) if util is not None else None,
             processes=procs,
             errors=tuple(errors),
         )
+
+    def _memory(self, index: int, handle: object, errors: List[str]) -> object:
+        """Memory info v2 where the driver has it: v1's `used` counts the driver's reserved memory too
+        (about 480 MiB on an idle H100 with no process), so an idle GPU looked used. Else v1."""
+        nv = self._nv
+        version = getattr(nv, "nvmlMemory_v2", None)
+        if version is not None and self._memory_v2 is not False:
+            try:
+                memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle, version)
+                self._memory_v2 = True
+                return memory
+            except (TypeError, _Unsupported):  # bindings without the version argument; a GPU without v2
+                self._memory_v2 = False
+            except nv.NVMLError as err:
+                if getattr(err, "value", None) != getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13):
+                    self._reset_if_needed(err)
+                    errors.append(f"memory: {err}")
+                    return None
+                self._memory_v2 = False  # a driver older than the call
+        return self._field(index, "memory", errors, nv.nvmlDeviceGetMemoryInfo, handle)
 
     def _processes(self, index: int, handle: object, errors: List[str]) -> Optional[Tuple[GpuProcess, ...]]:
         out: List[GpuProcess] = []
@@ -208,6 +230,11 @@ class NvmlBackend:
             self._ready = False
             with contextlib.suppress(Exception):
                 self._nv.nvmlShutdown()
+
+
+def _reserved_mib(memory: object) -> Optional[int]:
+    reserved = getattr(memory, "reserved", None)
+    return int(reserved) // _MIB if reserved is not None else None
 
 
 def _text(value: object) -> Optional[str]:

@@ -61,6 +61,7 @@ def build(
                 "device": gpu.device,
                 "memory_used_mib": gpu.memory_used_mib,
                 "memory_total_mib": gpu.memory_total_mib,
+                "memory_reserved_mib": gpu.memory_reserved_mib,
                 "utilization_pct": gpu.utilization_pct,
                 "errors": list(gpu.errors),
                 "watched": rules is not None,
@@ -205,6 +206,8 @@ def render(doc: dict) -> str:
             if g["memory_total_mib"] is not None
             else "? MiB"
         )
+        if g.get("memory_reserved_mib"):
+            mem += f" (+{g['memory_reserved_mib']} reserved)"
         util = f"{g['utilization_pct']}%" if g["utilization_pct"] is not None else "?%"
         state = g["state"]
         if state == "free" and g.get("free_since_wall") is not None:
