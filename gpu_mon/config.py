@@ -297,7 +297,10 @@ def _gpus(value: str) -> GpuSelection:
     if not value.strip():
         raise ValueError("is empty (use ALL or a comma-separated list of GPU indices or UUIDs)")
     refs: List[object] = []
-    for item in _names(value):
+    items = _names(value)
+    if any(item.upper() == "ALL" for item in items):
+        raise ValueError(f"{value!r}: ALL means every GPU and cannot be listed with others")
+    for item in items:
         if item.isdigit() and item.isascii():
             ref: object = int(item) if len(item) <= 6 else 1 << 30
             if ref > 4096:

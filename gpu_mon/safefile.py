@@ -33,10 +33,16 @@ def _check_dir(fd: int, path: str, trusted_uid: Optional[int]) -> None:
         return
     st = os.fstat(fd)
     if st.st_uid not in (0, trusted_uid):
-        raise UnsafeFile(f"{path}: directory is owned by uid {st.st_uid}, not root (refused)")
+        raise UnsafeFile(
+            f"{path}: directory is owned by uid {st.st_uid}, not root (refused: whoever owns it could swap "
+            "the config); keep the config in a root-owned directory such as /etc"
+        )
     # A sticky directory (like /tmp) lets nobody but root rename or remove a root-owned file in it.
     if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise UnsafeFile(f"{path}: directory is writable by group or others (refused)")
+        raise UnsafeFile(
+            f"{path}: directory is writable by group or others (refused); chmod go-w it, or keep the config "
+            "in a directory only root can write, such as /etc"
+        )
 
 
 def open_parent(path: str, trusted_uid: Optional[int] = None, resolve: bool = True) -> tuple:
@@ -94,7 +100,7 @@ def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes
             if st.st_uid not in (0, trusted_uid):
                 raise UnsafeFile(
                     f"{path}: owned by uid {st.st_uid}, not root (refused: it names commands "
-                    "that root will run)"
+                    f"that root will run; chown root {path})"
                 )
             if st.st_mode & 0o022:
                 raise UnsafeFile(

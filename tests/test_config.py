@@ -706,7 +706,14 @@ INVALID = [
     ("gpus-bare-prefix", "[gpu-a]\ngpus = GPU-\n", 2, "[gpu-a] gpus:", "is not a GPU index or UUID"),
     ("gpus-duplicate-index", "[gpu-a]\ngpus = 0, 1, 0\n", 2, "[gpu-a] gpus:", "'0' is listed twice"),
     ("gpus-duplicate-uuid", f"[gpu-a]\ngpus = {UUID0},{UUID0}\n", 2, "[gpu-a] gpus:", "is listed twice"),
-    ("gpus-all-in-list", "[gpu-a]\ngpus = ALL, 0\n", 2, "[gpu-a] gpus:", "'ALL' is not a GPU index or UUID"),
+    ("gpus-all-in-list", "[gpu-a]\ngpus = ALL, 0\n", 2, "[gpu-a] gpus:", "ALL means every GPU and cannot be"),
+    (
+        "gpus-all-7",
+        "[gpu-a]\ngpus = ALL, 7\n",
+        2,
+        "[gpu-a] gpus:",
+        "'ALL, 7': ALL means every GPU and cannot",
+    ),
     (
         "process-gpus-bad",
         "[process-a]\ncmd = x\ngpus = 1.5\n",
@@ -1274,7 +1281,7 @@ def test_symlinked_directory_is_resolved_and_checked(tmp_path):
     assert config.load(str(tmp_path / "link" / "c.conf"), TRUSTED).tty.enabled
     os.chmod(real, 0o777)
     (error,) = load_errors(tmp_path / "link" / "c.conf", TRUSTED)
-    assert error == f"{real}: directory is writable by group or others (refused)"
+    assert error.startswith(f"{real}: directory is writable by group or others (refused); chmod go-w it")
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757], ids=["0777", "group-w", "other-w"])
@@ -1284,7 +1291,7 @@ def test_writable_parent_directory_is_refused(tmp_path, mode):
     path = write(d / "c.conf", "[tty]\n")
     os.chmod(d, mode)
     (error,) = load_errors(path, TRUSTED)
-    assert error == f"{d}: directory is writable by group or others (refused)"
+    assert error.startswith(f"{d}: directory is writable by group or others (refused); chmod go-w it")
 
 
 def test_writable_grandparent_directory_is_refused(tmp_path):
@@ -1293,7 +1300,7 @@ def test_writable_grandparent_directory_is_refused(tmp_path):
     path = write(top / "etc" / "c.conf", "[tty]\n")
     os.chmod(top, 0o777)
     (error,) = load_errors(path, TRUSTED)
-    assert error == f"{top}: directory is writable by group or others (refused)"
+    assert error.startswith(f"{top}: directory is writable by group or others (refused); chmod go-w it")
 
 
 def test_sticky_world_writable_directory_owned_by_root_is_accepted(tmp_path):
@@ -1313,7 +1320,9 @@ def test_sticky_directory_owned_by_another_user_is_refused(tmp_path):
     os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
     path = write(d / "c.conf", "[tty]\n")
     (error,) = load_errors(path, 0)
-    assert error == f"{d}: directory is owned by uid {NOBODY.pw_uid}, not root (refused)"
+    assert error.startswith(
+        f"{d}: directory is owned by uid {NOBODY.pw_uid}, not root (refused: whoever owns it could swap the config)"
+    )
 
 
 @needs_root
@@ -1323,7 +1332,9 @@ def test_directory_owned_by_another_user_is_refused(tmp_path):
     path = write(d / "c.conf", "[tty]\n")
     os.chown(d, NOBODY.pw_uid, NOBODY.pw_gid)
     (error,) = load_errors(path, 0)
-    assert error == f"{d}: directory is owned by uid {NOBODY.pw_uid}, not root (refused)"
+    assert error.startswith(
+        f"{d}: directory is owned by uid {NOBODY.pw_uid}, not root (refused: whoever owns it could swap the config)"
+    )
 
 
 def test_refusals_are_one_line(tmp_path):
