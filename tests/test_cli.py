@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GPU_MON, ROOT, UUIDS, SimHost, write_config
+from conftest import GPU_MON, ROOT, UUIDS, SimHost, wait_for, write_config
 
 GOOD = "[gpu-all]\ngpus = ALL\n[process-m]\ncmd = /bin/true\nuser = root\n"
 
@@ -65,7 +65,7 @@ def test_check_gpu_that_does_not_exist_is_an_error(tmp_path, sim):
     path = write_config(tmp_path / "c.conf", f"[gpu-a]\ngpus = 0,7,{UUIDS[5]}\n")
     r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
     assert r.returncode == 2
-    assert f"{path}: [gpu-a] gpus: no GPU with index 7 (this host has 2)" in r.stderr
+    assert f"{path}:1: [gpu-a] gpus: no GPU with index 7 (this host has 2)" in r.stderr
     assert f"no GPU with UUID {UUIDS[5]} on this host" in r.stderr
 
 
@@ -292,3 +292,41 @@ def test_sim_host_example_status(tmp_path):
     host = SimHost(tmp_path, 3)
     r = gpu_mon("--sim", str(host.path), "status", "--json")
     assert [g["index"] for g in json.loads(r.stdout)["gpus"]] == [0, 1, 2]
+
+
+def test_check_and_status_create_nothing_next_to_the_sim_file(tmp_path, conf):
+    # A shipped sim file in a directory we should not write to: `check` and `status` only look.
+    sim_dir = tmp_path / "packaged"
+    sim_dir.mkdir()
+    (sim_dir / "sim.json").write_text('{"gpus": [{"uuid": "GPU-0000aaaa", "device": "dev/nvidia0"}]}')
+    for command in ("check", "status"):
+        r = gpu_mon("--config", str(conf), "--sim", str(sim_dir / "sim.json"), command)
+        no_traceback(r)
+    assert sorted(os.listdir(sim_dir)) == ["sim.json"]
+
+
+def test_status_without_config_points_at_the_daemon_it_did_not_look_for(tmp_path, sim, daemon_factory):
+    # The demo runs with its own config; `status` without --config looks at /etc's: it must say so.
+    d = daemon_factory("[gpu-all]\ngpus = ALL\n")
+    wait_for(lambda: d.state(), what="the daemon's state file")
+    r = gpu_mon("--sim", str(sim.path), "status")
+    assert "no daemon running" in r.stdout
+    assert "looked for a daemon holding /run/gpu_mon/state.json.lock" in r.stdout
+    assert f"a gpu-mon daemon runs as pid {d.proc.pid} with --config {d.config_path}" in r.stdout
+
+
+def test_check_without_a_config_says_where_to_start(tmp_path):
+    if os.path.exists("/etc/gpu_mon.conf"):
+        pytest.fail("this test needs a machine without /etc/gpu_mon.conf")
+    r = gpu_mon("check")
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("/etc/gpu_mon.conf: No such file or directory; start from ")
+    assert "(or pass --config PATH)" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "check", "status", "stress"])
+def test_subcommand_help_lists_the_common_options(command):
+    r = gpu_mon(command, "--help")
+    assert r.returncode == 0
+    for option in ("--config PATH", "--sim FILE", "--debug"):
+        assert option in r.stdout, (command, option)

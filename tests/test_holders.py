@@ -233,7 +233,13 @@ def _scan_as_nobody(devices: List[str]) -> List[int]:
 
 def test_processes_we_may_not_inspect_are_denied(devices, holding):
     p = holding.start(devices[0])  # a root process holding the GPU
-    assert p.pid in _scan_as_nobody(devices)
+    denied = _scan_as_nobody(devices)
+    assert p.pid in denied
+    # Kernel threads (kthreadd...) refuse non-root too, but hold no files: never a possible holder.
+    kernel = [pid for pid in denied if getattr(procfs.read_stat(pid), "kernel_thread", False)]
+    assert kernel == []
+    kthreadd = procfs.read_stat(2)
+    assert kthreadd is not None and kthreadd.kernel_thread  # there was one to leave out
 
 
 def test_denied_records_name_and_user(holding, devices):

@@ -348,9 +348,9 @@ def test_resolve_problems():
     )
     plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
     assert plan.problems == (
-        "[gpu-a] gpus: no GPU with index 5 (this host has 2)",
-        "[gpu-a] gpus: no GPU with UUID GPU-zzzz on this host",
-        "[process-p] gpus: GPU-bbbb is not named by any [gpu-*] section, so it is never used",
+        "1: [gpu-a] gpus: no GPU with index 5 (this host has 2)",
+        "1: [gpu-a] gpus: no GPU with UUID GPU-zzzz on this host",
+        "3: [process-p] gpus: GPU-bbbb is not named by any [gpu-*] section, so it is never used",
     )
     assert [i.key for i in plan.instances] == ["q"]
     assert list(plan.rules) == [U0]
@@ -359,7 +359,7 @@ def test_resolve_problems():
 def test_resolve_by_uuid_and_index_lost_uuid():
     c = cfg.parse(f"[gpu-a]\ngpus = {U1},0\n[process-p]\ncmd = p\nuser = root\n", "/t.conf")
     plan = policy.resolve(c, (gpu(0, None), gpu(1, U1)))
-    assert plan.problems == ("[gpu-a] gpus: GPU 0: its UUID cannot be read",)
+    assert plan.problems == ("1: [gpu-a] gpus: GPU 0: its UUID cannot be read",)
     assert plan.instances[0].gpus == (U1,)
 
 

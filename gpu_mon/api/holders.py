@@ -273,8 +273,8 @@ class HolderScanner:
     def _denied_or_gone(self, pid: str) -> Optional[_Entry]:
         """A process that is exiting also refuses access to its fds: that one is gone, not hidden."""
         st = procfs.read_stat(int(pid), self.proc)
-        if st is None or st.state in ("Z", "X"):
-            return None
+        if st is None or st.state in ("Z", "X") or st.kernel_thread:
+            return None  # (a kernel thread, like kthreadd, refuses non-root too, and holds no files)
         return _Entry(None, _DENIED)
 
     def set_targets(self, targets: Targets) -> None:

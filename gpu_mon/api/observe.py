@@ -180,3 +180,11 @@ class Observer:
             nvml_procs=self.nvml_processes(ours_set),
             node_errors=tuple(sorted(self.node_errors.items())),
         )
+
+
+def look(backend: Backend, tty_patterns: Optional[Iterable[str]] = None, proc: str = procfs.PROC) -> Snapshot:
+    """One complete look at the host (GPUs, every holder, terminals), as a plain user may take it."""
+    observer = Observer(backend, proc=proc)
+    observer.read_gpus()
+    observer.scan("full")
+    return observer.snapshot(time.monotonic(), (), tty_patterns)

@@ -22,6 +22,12 @@ class ProcStat:
     pgrp: int
     sid: int
     start_ticks: int
+    flags: int = 0
+
+    @property
+    def kernel_thread(self) -> bool:
+        """A kernel thread (PF_KTHREAD): it has no files of its own to hold a GPU with."""
+        return bool(self.flags & 0x00200000)
 
 
 def read_stat(pid: int, proc: str = PROC) -> Optional[ProcStat]:
@@ -44,6 +50,7 @@ def read_stat(pid: int, proc: str = PROC) -> Optional[ProcStat]:
             pgrp=int(fields[2]),
             sid=int(fields[3]),
             start_ticks=int(fields[19]),
+            flags=int(fields[6]),
         )
     except (IndexError, ValueError):
         return None

@@ -65,8 +65,11 @@ def _read_regular(path: str, limit: int) -> bytes:
 class SimBackend:
     """Reads GPUs from a JSON file each look; same interface as NvmlBackend."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, create_devices: bool = True):
         self.path = os.path.abspath(path)
+        # Only the daemon makes missing stand-in files: `check` and `status` only look, and must not write
+        # into the sim file's directory (a read-only or packaged one, say).
+        self.create_devices = create_devices
         self._base = os.path.dirname(self.path)
 
     def load(self) -> Tuple[Gpu, ...]:
@@ -186,7 +189,8 @@ class SimBackend:
         """One look at the simulated GPUs; never raises."""
         try:
             gpus = self.load()
-            self._ensure_devices(gpus)
+            if self.create_devices:
+                self._ensure_devices(gpus)
         except SimError as err:
             return GpuReading(gpus=(), error=str(err))
         return GpuReading(gpus=gpus)

@@ -354,7 +354,7 @@ class Daemon:
         for problem in plan.problems:
             if problem not in self.reported_problems:
                 self.reported_problems.add(problem)
-                log.error("%s: %s", self.config.path, problem)
+                log.error("%s:%s", self.config.path, problem)
         self.plan = plan
         return plan
 

@@ -38,7 +38,7 @@ class Plan:
     rules: Dict[str, GpuSection]  # watched UUID -> the [gpu-*] section that names it
     instances: Tuple[Instance, ...]
     index_of: Dict[str, int]  # UUID -> NVML index at resolution time
-    problems: Tuple[str, ...] = ()  # references that name no GPU on this host
+    problems: Tuple[str, ...] = ()  # `LINE: [section] gpus: ...`: references that name no GPU on this host
 
 
 def _resolve_refs(
@@ -73,14 +73,15 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
     everything = [g.uuid for g in gpus if g.uuid]
     rules: Dict[str, GpuSection] = {}
     for section in config.gpu_sections:
-        for uuid in _resolve_refs(section.gpus, gpus, everything, f"[gpu-{section.name}] gpus", problems):
+        what = f"{section.line}: [gpu-{section.name}] gpus"
+        for uuid in _resolve_refs(section.gpus, gpus, everything, what, problems):
             first = rules.setdefault(uuid, section)
             if first is not section:  # one by index, the other by UUID: only the host can tell
-                problems.append(f"[gpu-{section.name}] gpus: {uuid} is already named by [gpu-{first.name}]")
+                problems.append(f"{what}: {uuid} is already named by [gpu-{first.name}]")
     watched = [u for u in everything if u in rules]
     instances: List[Instance] = []
     for proc in config.processes:
-        what = f"[process-{proc.name}] gpus"
+        what = f"{proc.line}: [process-{proc.name}] gpus"
         uuids = _resolve_refs(proc.gpus, gpus, watched, what, problems)
         unwatched = [u for u in uuids if u not in rules]
         for uuid in unwatched:

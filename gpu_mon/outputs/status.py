@@ -171,6 +171,19 @@ def _who(h: dict) -> str:
     return f"{sanitize(str(h['user']))} {sanitize(str(h['name']))}[{h['pid']}]{mem}{tag}"
 
 
+def _where_looked(doc: dict) -> List[str]:
+    """Where status looked for a daemon, and the daemons it saw elsewhere."""
+    lines = []
+    if doc.get("looked_for"):
+        lines.append(f"  (looked for a daemon holding {doc['looked_for']}.lock)")
+    for other in doc.get("other_daemons") or []:
+        lines.append(
+            f"  a gpu-mon daemon runs as pid {other['pid']} with --config {other['config']}: "
+            f"gpu-mon --config {other['config']} status"
+        )
+    return lines
+
+
 def render(doc: dict) -> str:
     """The status document as text for a terminal."""
     now = time.time()
@@ -189,10 +202,11 @@ def render(doc: dict) -> str:
             f"gpu-mon {doc.get('gpu_mon')}: no daemon running; one fresh look at the host"
             f"{' (' + doc['source'] + ')' if doc.get('source') else ''}; config {doc.get('config')}"
         )
+        lines.extend(_where_looked(doc))
     if doc.get("error"):
         lines.append(f"  GPUs cannot be read: {doc['error']}")
     for p in doc.get("problems", []):
-        lines.append(f"  config problem: {p}")
+        lines.append(f"  config problem: {doc.get('config')}:{p}")
     for d_ in doc.get("denied", [])[:3]:
         lines.append(
             f"  cannot see the open files of {sanitize(d_['user'])} {sanitize(d_['name'])}[{d_['pid']}]"
@@ -229,7 +243,11 @@ def render(doc: dict) -> str:
     recent = [t for t in terms if now - t["active_wall"] < 86400 or t["pauses_work"]]
     if terms:
         lines.append("")
-        lines.append(f"Terminals ({len(terms) - len(recent)} more idle for over a day):")
+        stale = len(terms) - len(recent)
+        if not recent:
+            lines.append(f"Terminals: {stale}, all idle for over a day")
+        else:
+            lines.append("Terminals:" + (f" ({stale} more idle for over a day)" if stale else ""))
         for t in sorted(recent, key=lambda t: -t["active_wall"])[:20]:
             mark = "  <- pauses work" if t["pauses_work"] else ""
             lines.append(
@@ -243,8 +261,10 @@ def render(doc: dict) -> str:
         lines.append("Workloads:")
         for w in doc["workloads"]:
             if w["state"] in ("running", "stopping"):
-                pid = w.get("command_pid") or w.get("pid")
-                what = f"{w['state']}  pid {pid}, up {_duration(now - w['started_wall'])}"
+                # The log names a workload by its session id (the leader's pid): say both.
+                cmd = f", command pid {w['command_pid']}" if w.get("command_pid") else ""
+                up = _duration(now - w["started_wall"])
+                what = f"{w['state']}  session {w.get('pid')}{cmd}, up {up}"
             else:
                 what = w.get("why") or w["state"]
             extra = f"  restarts {w['restarts']}" if w["restarts"] else ""

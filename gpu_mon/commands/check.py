@@ -1,0 +1,72 @@
+"""`gpu-mon check`: the config, then the GPUs, device nodes, users and commands it names on this host."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Callable, List
+
+from gpu_mon.api import holders
+from gpu_mon.commands import base
+from gpu_mon.config import Config
+from gpu_mon.engine import policy
+from gpu_mon.engine.workloads.supervisor import workload_env
+
+
+def host_warnings(config: Config) -> List[str]:
+    """Things on this host that will make a workload fail: commands, directories, log directories."""
+    warnings: List[str] = []
+    for p in config.processes:
+        where = f"{config.path}:{p.line}: [process-{p.name}]"
+        exe = p.cmd[0]
+        path = workload_env(p, ())["PATH"]
+        if "/" in exe:
+            full = exe if os.path.isabs(exe) else os.path.join(p.dir, exe)
+            if not os.access(full, os.X_OK):
+                warnings.append(f"{where} cmd: {exe!r} is not an executable file")
+        elif shutil.which(exe, path=path) is None:
+            warnings.append(f"{where} cmd: {exe!r} is not on the workload's PATH ({path}); use a full path")
+        if not os.path.isdir(p.dir):
+            warnings.append(f"{where} dir: {p.dir!r} does not exist")
+        if p.log and not os.path.isdir(os.path.dirname(p.log) or "/"):
+            warnings.append(f"{where} log: the directory of {p.log!r} does not exist")
+    if os.geteuid() != 0:
+        warnings.append(
+            "not running as root: processes of other users cannot be inspected, so the daemon "
+            "would count every GPU as busy while any runs, and cannot switch workload users"
+        )
+    return warnings
+
+
+def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
+    """Exit 0 when the config is good here (warnings aside), 2 when it is not."""
+    config = base.load_config(args, required=True)
+    assert config is not None
+    warnings = list(config.warnings) + host_warnings(config)
+    backend, source = base.backend(args)
+    reading = backend.read()
+    backend.close()
+    errors: List[str] = []
+    if reading.error:
+        warnings.append(f"cannot check the GPUs the config names: {reading.error}")
+    else:
+        plan = policy.resolve(config, reading.gpus)
+        errors.extend(f"{config.path}:{p}" for p in plan.problems)
+        _targets, node_errors = holders.device_targets(reading.gpus)
+        for uuid, why in node_errors.items():
+            if uuid in plan.rules:
+                warnings.append(
+                    f"GPU {plan.index_of.get(uuid)} ({uuid}): {why}: it will always count as busy"
+                )
+    for w in warnings:
+        say(f"warning: {w}", 4)
+    for e in errors:
+        say(e, 3)
+    if errors:
+        return base.EXIT_USAGE
+    print(
+        f"{config.path}: OK: {len(config.gpu_sections)} [gpu-*] and {len(config.processes)} [process-*] "
+        f"section(s); {len(reading.gpus)} GPU(s) seen ({source}); {len(warnings)} warning(s)"
+    )
+    return base.EXIT_OK

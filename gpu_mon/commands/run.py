@@ -1,0 +1,39 @@
+"""`gpu-mon run`: the daemon in the foreground, holding the lock of its state file for its whole life."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from gpu_mon.commands import base
+from gpu_mon.config import trusted_uid_for_this_process
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run until SIGTERM; exit 1 if another daemon has the state file, 2 on a bad config."""
+    from gpu_mon.engine.daemon import ContainmentError, Daemon
+    from gpu_mon.engine.lock import DaemonLock, LockError
+
+    config = base.load_config(args, required=True)
+    assert config is not None
+    backend, source = base.backend(args, writes=True)
+    lock = DaemonLock(config.defaults.state_file)
+    try:
+        lock.acquire()
+    except LockError as err:
+        raise base.CliError(str(err), base.EXIT_FAILURE) from None
+    if os.geteuid() != 0:
+        logging.getLogger("gpu_mon").warning(
+            "not running as root: processes of other users cannot be inspected (GPUs count as busy while "
+            "any runs) and workloads run as %s",
+            os.environ.get("USER", "this user"),
+        )
+    trusted = trusted_uid_for_this_process()
+    daemon = Daemon(config, backend, trusted_uid=trusted, source="" if source == "NVML" else source)
+    try:
+        return daemon.run()
+    except ContainmentError as err:
+        raise base.CliError(str(err), base.EXIT_USAGE) from None
+    finally:
+        lock.release()
