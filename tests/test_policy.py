@@ -8,7 +8,7 @@ import pytest
 
 from gpu_mon import config as cfg
 from gpu_mon.api.model import Denied, Exited, Gpu, GpuProcess, GpuReading, Holder, Running, Snapshot, TtyUser
-from gpu_mon.engine import policy
+from gpu_mon.engine import policy, words
 from gpu_mon.engine.decisions import PolicyState, Start, Stop
 
 U0, U1, U2 = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
@@ -152,7 +152,8 @@ VERDICTS = [
 
 @pytest.mark.parametrize("s,busy,reason", [v[1:] for v in VERDICTS], ids=[v[0] for v in VERDICTS])
 def test_gpu_verdict(s, busy, reason):
-    got, reasons = policy.gpu_verdict(U0, RULES, s, {})
+    got, typed = policy.gpu_verdict(U0, RULES, s, {})
+    reasons = [words.reason(r) for r in typed]
     assert got is busy, reasons
     if reason:
         assert reason in reasons[0]
@@ -207,7 +208,8 @@ def stops(d):
 def test_start_waits_for_the_start_delay():
     c = config()
     _, d1 = run(c, snap(now=100))
-    assert starts(d1) == [] and d1.next_wake == 110 and "start delay" in d1.waiting["m"]
+    assert starts(d1) == [] and d1.next_wake == 110 and d1.waiting["m"].kind == "start_delay"
+    assert words.wait(d1.waiting["m"], {}, 100) == "waiting: start delay (10 s left)"
     _, d2 = run(c, snap(now=109.9), d1.state)
     assert starts(d2) == []
     _, d3 = run(c, snap(now=110), d2.state)
@@ -230,7 +232,11 @@ def test_busy_gpu_stops_running_workload_with_reason():
     _, d = run(c, s)
     assert stops(d) == ["m"]
     assert d.actions[0].gpus == (U1,)
-    assert d.actions[0].reason == "GPU 1 (GPU-bbbb) busy: alice python3[42] holds /dev/nvidia1"
+    assert (
+        words.stop(d.actions[0], {U0: 0, U1: 1})
+        == "GPU 1 (GPU-bbbb) busy: alice python3[42] holds /dev/nvidia1"
+    )
+    assert d.actions[0].busy[0][1].kind == "holds_node" and d.actions[0].busy[0][1].who.pid == 42
 
 
 def test_stopping_instance_is_not_stopped_again_nor_restarted():
@@ -257,12 +263,15 @@ def test_two_sections_never_share_a_gpu():
     _, d = run(c, snap(now=100), state)
     assert starts(d) == ["a"]
     _, d = run(c, snap(now=101, running=(Running("a", 5, 100.0),)), d.state)
-    assert starts(d) == [] and d.waiting["b"].startswith("waiting: GPU 1 (GPU-bbbb) runs a")
+    assert (
+        starts(d) == []
+        and words.wait(d.waiting["b"], {U0: 0, U1: 1}, 101) == "waiting: GPU 1 (GPU-bbbb) runs a"
+    )
 
 
 def test_removed_instance_is_stopped():
     _, d = run(config(), snap(running=(Running("gone", 5, 1.0),)), PolicyState(free_since={U0: 0, U1: 0}))
-    assert [(a.key, a.reason) for a in d.actions if isinstance(a, Stop)] == [
+    assert [(a.key, words.stop(a, {})) for a in d.actions if isinstance(a, Stop)] == [
         ("gone", "no longer in the config")
     ]
 
@@ -277,10 +286,10 @@ def test_terminal_pause_stops_everything_and_blocks_starts():
     idle = TtyUser("/dev/pts/4", "carol", 1002, 3600.0)
     state = PolicyState(free_since={U0: 0.0, U1: 0.0})
     _, d = run(c, snap(now=100, ttys=(root, idle, bob), running=(Running("m", 5, 1.0),)), state)
-    assert stops(d) == ["m"] and d.paused_by == ("bob at pts/3 (active 5 s ago)",)
-    assert d.actions[0].reason.startswith("paused for terminal user bob")
+    assert stops(d) == ["m"] and [words.terminal(t) for t in d.paused_by] == ["bob at pts/3 (active 5 s ago)"]
+    assert words.stop(d.actions[0], {}).startswith("paused for terminal user bob")
     _, d = run(c, snap(now=100, ttys=(root, idle, bob)), state)
-    assert starts(d) == [] and d.waiting["m"].startswith("paused")
+    assert starts(d) == [] and words.wait(d.waiting["m"], {}, 100).startswith("paused: bob at pts/3")
     _, d = run(c, snap(now=100, ttys=(root, idle)), state)
     assert starts(d) == ["m"]
 
@@ -312,7 +321,7 @@ def test_backoff_doubles_caps_and_resets_after_a_healthy_run():
         state = d.state
         now = b.not_before
     assert delays == [5, 10, 20, 40, 40, 40]
-    assert "quick failures in a row" in d.notes[0]
+    assert d.events[0].failing and "quick failures in a row" in words.restarting(d.events[0])
     _, d = run(c, snap(now=now, exited=(exited(1, 61, at=now),)), state)
     assert d.state.backoff["m"].failures == 0 and d.state.backoff["m"].not_before - now == 5
     _, d = run(c, snap(now=now + 5), d.state)
@@ -323,7 +332,7 @@ def test_exit_stopped_by_us_has_no_backoff():
     c = config()
     _, d = run(c, snap(now=100, exited=(exited(143, 3, by_us=True),)), PolicyState(free_since={U0: 0, U1: 0}))
     assert starts(d) == ["m"]
-    assert d.state.backoff["m"].last_exit.startswith("stopped by gpu-mon")
+    assert words.last_exit(d.state.backoff["m"].last).startswith("stopped by gpu-mon")
 
 
 @pytest.mark.parametrize(
@@ -337,7 +346,7 @@ def test_exit_stopped_by_us_has_no_backoff():
     ],
 )
 def test_describe_exit(code, text):
-    assert text in policy.describe_exit(code)
+    assert text in words.exit_status(code)
 
 
 def test_resolve_problems():
@@ -378,7 +387,7 @@ def test_stops_confirmed_needs_both_looks():
 def test_resolve_same_gpu_by_index_and_uuid_in_two_sections():
     c = cfg.parse("[gpu-a]\ngpus = 0\n[gpu-b]\ngpus = GPU-AAAA\n", "/t.conf")
     plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
-    assert plan.problems == (f"[gpu-b] gpus: {U0} is already named by [gpu-a]",)
+    assert plan.problems == (f"3: [gpu-b] gpus: {U0} is already named by [gpu-a]",)
 
 
 def test_resolve_uuids_case_insensitively():

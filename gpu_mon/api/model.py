@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 
+def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
+    """How every output names a GPU: `GPU 0 (GPU-5a1c...)` (the index is NVML's, the UUID is the name)."""
+    return f"GPU {'?' if index is None else index} ({uuid or 'UUID unknown'})"
+
+
 @dataclass(frozen=True)
 class GpuProcess:
     """A process that NVML lists on a GPU (compute or graphics context)."""
@@ -35,7 +40,7 @@ class Gpu:
     @property
     def label(self) -> str:
         """Short human name: `GPU 0 (GPU-5a1c...)`."""
-        return f"GPU {self.index} ({self.uuid or 'UUID unknown'})"
+        return gpu_label(self.index, self.uuid)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,11 @@ from gpu_mon.config import trusted_uid_for_this_process
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run until SIGTERM; exit 1 if another daemon has the state file, 2 on a bad config."""
-    from gpu_mon.engine.daemon import ContainmentError, Daemon
+    from gpu_mon.engine.daemon import Daemon
     from gpu_mon.engine.lock import DaemonLock, LockError
+    from gpu_mon.engine.workloads.cgroups import ContainmentError
+    from gpu_mon.outputs.notify import Notifier
+    from gpu_mon.outputs.statefile import StateFile
 
     config = base.load_config(args, required=True)
     assert config is not None
@@ -30,7 +33,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             os.environ.get("USER", "this user"),
         )
     trusted = trusted_uid_for_this_process()
-    daemon = Daemon(config, backend, trusted_uid=trusted, source="" if source == "NVML" else source)
+    listeners = [StateFile(config.defaults.state_file), Notifier()]
+    daemon = Daemon(
+        config, backend, trusted_uid=trusted, source="" if source == "NVML" else source, listeners=listeners
+    )
     try:
         return daemon.run()
     except ContainmentError as err:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from gpu_mon.api.model import Exited
+
 
 @dataclass(frozen=True)
 class Instance:
@@ -26,20 +28,26 @@ class Instance:
 
 @dataclass(frozen=True)
 class Start:
-    """Start this instance now."""
+    """Start this instance now: its GPUs have been free for `free_seconds`."""
 
     instance: Instance
-    reason: str
+    free_seconds: float
 
 
 @dataclass(frozen=True)
 class Stop:
-    """Stop this running instance now."""
+    """Stop this running instance now. why: gpu_busy (see `busy`), terminal, or removed (from the config)."""
 
     key: str
-    reason: str
-    # GPUs whose busy state caused the stop: the daemon looks at them again before acting
-    gpus: Tuple[str, ...] = ()
+    why: str
+    # gpu_busy: (uuid, first reason) of each busy GPU; the daemon looks at them again before acting
+    busy: Tuple[Tuple[str, Reason], ...] = ()
+    terminal: Optional[TerminalUse] = None
+
+    @property
+    def gpus(self) -> Tuple[str, ...]:
+        """The GPUs whose being busy caused the stop."""
+        return tuple(uuid for uuid, _ in self.busy)
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class Verdict:
 
     uuid: str
     busy: bool
-    reasons: Tuple[str, ...] = ()
+    reasons: Tuple[Reason, ...] = ()
     free_since: Optional[float] = None
 
 
@@ -59,7 +67,7 @@ class Backoff:
     failures: int = 0  # consecutive quick exits
     not_before: float = 0.0  # monotonic time before which it may not start again
     restarts: int = 0
-    last_exit: str = ""
+    last: Optional[Exited] = None  # how it last ended
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,84 @@ class Decision:
     actions: Tuple[object, ...]
     state: PolicyState
     verdicts: dict  # uuid -> Verdict
-    paused_by: Tuple[str, ...] = ()
+    paused_by: Tuple[TerminalUse, ...] = ()
     next_wake: Optional[float] = None  # monotonic time of the next start delay or backoff expiry
-    notes: Tuple[str, ...] = ()  # log lines for things worth saying that are not actions
-    waiting: dict = field(default_factory=dict)  # instance key -> why it is not running now
+    events: Tuple[Restarting, ...] = ()  # things worth saying that are not actions
+    waiting: dict = field(default_factory=dict)  # instance key -> Wait
+
+
+# --------------------------------------------------------------------------------------------------------
+# Why: reasons and events as data. engine/words.py says them in English, at the edges (log, status).
+
+
+@dataclass(frozen=True)
+class Who:
+    """A process named in a reason, as read from /proc (escaped only when shown)."""
+
+    user: str
+    name: str
+    pid: int
+
+
+class Busy:
+    """The kinds of Reason: why a GPU counts as busy."""
+
+    BACKEND = "backend_unreadable"  # detail: the backend's error (no driver, a bad sim file)
+    MISSING = "gpu_missing"  # the GPU is not in this look (lost, removed)
+    UNREADABLE = "gpu_unreadable"  # detail: the fields that failed
+    NODE = "node_unwatchable"  # detail: why its device node cannot be used
+    HIDDEN = "hidden_processes"  # who: the first process whose files we cannot read; count: how many
+    HOLDER = "holds_node"  # who holds it open; path: the node as that process opened it
+    CONTEXT = "nvml_context"  # who (None: not visible here), pid, context (compute/graphics), mib
+    MEMORY = "memory_by_others"  # mib used by others, limit_mib = busy_memory_mib
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One fact that makes a GPU busy."""
+
+    kind: str
+    who: Optional[Who] = None
+    pid: Optional[int] = None
+    path: str = ""
+    detail: str = ""
+    mib: Optional[int] = None
+    limit_mib: Optional[int] = None
+    count: int = 0
+    context: str = ""
+
+
+@dataclass(frozen=True)
+class TerminalUse:
+    """A terminal touched recently by a user who is not on the whitelist: all work pauses."""
+
+    user: str
+    device: str
+    idle_seconds: float
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Why an instance is not running now. kind: paused, busy, taken, start_delay, backoff, stopping."""
+
+    kind: str
+    gpu: str = ""  # busy, taken: the GPU
+    reason: Optional[Reason] = None  # busy: the GPU's first reason
+    by: str = ""  # taken: the instance that has the GPU
+    terminal: Optional[TerminalUse] = None  # paused
+    until: Optional[float] = None  # start_delay, backoff: monotonic time it may start
+    last: Optional[Exited] = None  # backoff: the exit that caused it
+
+
+@dataclass(frozen=True)
+class Restarting:
+    """Event: an instance ended by itself and will be started again after `delay` seconds."""
+
+    exited: Exited
+    delay: float
+    failures: int  # quick failures in a row
+
+    @property
+    def failing(self) -> bool:
+        """Three quick failures in a row: worth a warning."""
+        return self.failures >= 3

@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-from gpu_mon.api.model import Exited, Gpu, Holder, Snapshot
-from gpu_mon.api.text import sanitize
-from gpu_mon.api.ttys import active
+from gpu_mon.api.model import Exited, Gpu, Holder, Running, Snapshot
 from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection
-from gpu_mon.engine.decisions import Backoff, Decision, Instance, PolicyState, Start, Stop, Verdict
+from gpu_mon.engine.decisions import (
+    Backoff,
+    Busy,
+    Decision,
+    Instance,
+    PolicyState,
+    Reason,
+    Restarting,
+    Start,
+    Stop,
+    TerminalUse,
+    Verdict,
+    Wait,
+    Who,
+)
 
 # Fields whose failure leaves us unsure whether the GPU is in use (utilization and name are only shown).
 _BLINDING_FIELDS = (
@@ -113,42 +125,53 @@ def ignored_name(name: str, user: str, rules: GpuSection) -> bool:
     return name in rules.ignore_programs or user in rules.ignore_users
 
 
-def gpu_verdict(
-    uuid: str, rules: GpuSection, snap: Snapshot, first_seen: Dict[tuple, float]
-) -> Tuple[bool, List[str]]:
-    """Busy or free, with reasons, for one GPU. Unsure means busy. Updates `first_seen` for holder grace."""
-    reasons: List[str] = []
-    if snap.reading.error:
-        return True, [f"GPUs cannot be read: {snap.reading.error}"]
+def _who(h: Holder) -> Who:
+    return Who(user=h.user, name=h.name, pid=h.pid)
+
+
+def _unsure(uuid: str, snap: Snapshot, rules: GpuSection) -> List[Reason]:
+    """Reasons we cannot tell whether the GPU is in use: it then counts as busy."""
     gpu = snap.gpu(uuid)
-    if gpu is None:
-        return True, ["not found on this host (lost or removed?)"]
+    assert gpu is not None
+    reasons: List[Reason] = []
     blinding = [e for e in gpu.errors if e.split(":", 1)[0] in _BLINDING_FIELDS]
     if blinding:
-        reasons.append("cannot be read: " + "; ".join(blinding))
+        reasons.append(Reason(Busy.UNREADABLE, detail="; ".join(blinding)))
     node_error = dict(snap.node_errors).get(uuid)
     if node_error:
-        reasons.append(f"device node cannot be watched: {node_error}")
+        reasons.append(Reason(Busy.NODE, detail=node_error))
     hidden = [d for d in snap.denied if not ignored_name(d.name, d.user, rules)]
     if hidden:
-        more = f" and {len(hidden) - 1} more" if len(hidden) > 1 else ""
-        reasons.append(f"cannot see the open files of {sanitize(hidden[0].label)}{more}, which may hold it")
+        first = hidden[0]
+        reasons.append(Reason(Busy.HIDDEN, who=Who(first.user, first.name, first.pid), count=len(hidden)))
+    return reasons
+
+
+def _holder_reasons(
+    uuid: str, rules: GpuSection, snap: Snapshot, first_seen: Mapping[tuple, float]
+) -> List[Reason]:
+    """Foreign processes holding the GPU's node (after holder_grace_seconds, only those NVML shows)."""
+    gpu = snap.gpu(uuid)
+    assert gpu is not None
     nvml_pids = {p.pid for p in (gpu.processes or ())}
     grace = rules.holder_grace_seconds
+    reasons = []
     for h in snap.holders:
         if uuid not in h.gpus or h.ours or ignored(h, rules):
             continue
-        key = (h.pid, h.start_ticks, uuid)
-        first = first_seen.setdefault(key, snap.now)
-        if (
-            grace is not None
-            and gpu.processes is not None
-            and h.pid not in nvml_pids
-            and snap.now - first >= grace
-        ):
+        first = first_seen.get((h.pid, h.start_ticks, uuid), snap.now)
+        idle_holder = gpu.processes is not None and h.pid not in nvml_pids
+        if grace is not None and idle_holder and snap.now - first >= grace:
             continue  # holds the node without using the GPU (a monitor, a CUDA init on every GPU)
-        node = h.nodes[0] if h.nodes else gpu.device or "its device node"
-        reasons.append(f"{sanitize(h.user)} {sanitize(h.name)}[{h.pid}] holds {sanitize(node)}")
+        reasons.append(Reason(Busy.HOLDER, who=_who(h), path=h.nodes[0] if h.nodes else gpu.device or ""))
+    return reasons
+
+
+def _nvml_reasons(uuid: str, rules: GpuSection, snap: Snapshot) -> List[Reason]:
+    """Foreign NVML contexts on the GPU, and memory used by others beyond busy_memory_mib."""
+    gpu = snap.gpu(uuid)
+    assert gpu is not None
+    reasons = []
     ours_mib = 0
     by_pid = {h.pid: h for h in snap.nvml_procs}
     for p in gpu.processes or ():
@@ -156,67 +179,66 @@ def gpu_verdict(
         if h is not None and (h.ours or ignored(h, rules)):
             ours_mib += p.used_memory_mib or 0
             continue
-        who = f"{sanitize(h.user)} {sanitize(h.name)}[{p.pid}]" if h else f"pid {p.pid} (not visible here)"
-        used = f", {p.used_memory_mib} MiB" if p.used_memory_mib is not None else ""
-        reasons.append(f"{who} has a {p.kind} context on it (NVML{used})")
+        who = _who(h) if h else None
+        reasons.append(Reason(Busy.CONTEXT, who=who, pid=p.pid, context=p.kind, mib=p.used_memory_mib))
     if gpu.memory_used_mib is not None:
         others = gpu.memory_used_mib - ours_mib
         if others > rules.busy_memory_mib:
-            reasons.append(
-                f"{others} MiB used by others (more than busy_memory_mib = {rules.busy_memory_mib})"
-            )
+            reasons.append(Reason(Busy.MEMORY, mib=others, limit_mib=rules.busy_memory_mib))
+    return reasons
+
+
+def gpu_verdict(
+    uuid: str, rules: GpuSection, snap: Snapshot, first_seen: Mapping[tuple, float]
+) -> Tuple[bool, List[Reason]]:
+    """Busy or free, with reasons, for one GPU. Unsure means busy."""
+    if snap.reading.error:
+        return True, [Reason(Busy.BACKEND, detail=snap.reading.error)]
+    if snap.gpu(uuid) is None:
+        return True, [Reason(Busy.MISSING)]
+    reasons = _unsure(uuid, snap, rules)
+    reasons += _holder_reasons(uuid, rules, snap, first_seen)
+    reasons += _nvml_reasons(uuid, rules, snap)
     return bool(reasons), reasons
 
 
-def _backoff_after(exit_: Exited, old: Backoff, config: Config) -> Tuple[Backoff, str]:
+def _backoff_after(exit_: Exited, old: Backoff, config: Config) -> Tuple[Backoff, Optional[Restarting]]:
     d = config.defaults
-    ran = max(0.0, exit_.ended_at - exit_.started_at)
-    status = describe_exit(exit_.returncode)
-    detail = f" ({exit_.detail})" if exit_.detail else ""
     if exit_.stopped_by_us:
-        return dataclasses.replace(old, last_exit=f"stopped by gpu-mon ({status})"), ""
+        return dataclasses.replace(old, last=exit_), None
+    ran = max(0.0, exit_.ended_at - exit_.started_at)
     failures = 0 if ran >= d.healthy_run_seconds else old.failures + 1
-    delay = d.restart_delay_seconds * (2 ** max(0, failures - 1))
-    delay = min(delay, d.restart_delay_max_seconds)
-    new = Backoff(
-        failures=failures,
-        not_before=exit_.ended_at + delay,
-        restarts=old.restarts + 1,
-        last_exit=f"{status} after {ran:.1f} s{detail}",
-    )
-    note = f"{exit_.key} {status} after {ran:.1f} s{detail}; restarting in {delay:g} s"
-    if failures >= 3:
-        note += f" ({failures} quick failures in a row; check its command and log)"
-    return new, note
+    delay = min(d.restart_delay_seconds * (2 ** max(0, failures - 1)), d.restart_delay_max_seconds)
+    new = Backoff(failures=failures, not_before=exit_.ended_at + delay, restarts=old.restarts + 1, last=exit_)
+    return new, Restarting(exited=exit_, delay=delay, failures=failures)
 
 
-def describe_exit(code: int) -> str:
-    """`exited with status 1`, `was killed by signal 9`, `command not found`."""
-    if code == 127:
-        return "could not start (command not found, status 127)"
-    if code == 126:
-        return "could not start (permission denied or not executable, status 126)"
-    if code > 128:
-        return f"was killed by signal {code - 128}"
-    return f"exited with status {code}"
-
-
-def _pause_reason(config: Config, snap: Snapshot) -> Tuple[str, ...]:
-    if not config.tty.enabled:
+def terminal_users(config: Config, snap: Snapshot) -> Tuple[TerminalUse, ...]:
+    """Terminals touched within [tty] idle_seconds by users who are not on the whitelist."""
+    tty = config.tty
+    if not tty.enabled:
         return ()
-    users = active(snap.ttys, config.tty.idle_seconds, config.tty.whitelist)
     return tuple(
-        f"{sanitize(t.user)} at {t.device.replace('/dev/', '')} (active {t.idle_seconds:.0f} s ago)"
-        for t in users
+        TerminalUse(user=t.user, device=t.device, idle_seconds=t.idle_seconds)
+        for t in snap.ttys
+        if t.idle_seconds < tty.idle_seconds and t.user not in tty.whitelist
     )
 
 
-def decide(config: Config, plan: Plan, snap: Snapshot, state: PolicyState) -> Decision:
-    """What to start and stop now, and why."""
-    now = snap.now
-    first_seen: Dict[tuple, float] = dict(state.first_seen)
+def _first_seen(snap: Snapshot, old: Mapping[tuple, float]) -> Dict[tuple, float]:
+    """When each (holder, GPU) pair was first seen: kept for live pairs, now for new ones."""
+    return {
+        (h.pid, h.start_ticks, uuid): old.get((h.pid, h.start_ticks, uuid), snap.now)
+        for h in snap.holders
+        for uuid in h.gpus
+    }
+
+
+def _verdicts(
+    plan: Plan, snap: Snapshot, first_seen: Mapping[tuple, float], free_since: Dict[str, float]
+) -> Dict[str, Verdict]:
+    """A verdict for every GPU (watched ones remember since when they are free: `free_since` is updated)."""
     verdicts: Dict[str, Verdict] = {}
-    free_since = dict(state.free_since)
     for gpu in snap.reading.gpus:
         if gpu.uuid and gpu.uuid not in plan.rules:
             busy, reasons = gpu_verdict(gpu.uuid, _UNWATCHED_RULES, snap, first_seen)
@@ -226,105 +248,110 @@ def decide(config: Config, plan: Plan, snap: Snapshot, state: PolicyState) -> De
         if busy:
             free_since.pop(uuid, None)
         else:
-            free_since.setdefault(uuid, now)
+            free_since.setdefault(uuid, snap.now)
         verdicts[uuid] = Verdict(uuid, busy, tuple(reasons), free_since.get(uuid))
-    live = {(h.pid, h.start_ticks) for h in snap.holders}
-    first_seen = {k: v for k, v in first_seen.items() if (k[0], k[1]) in live}
+    return verdicts
 
-    notes: List[str] = []
+
+def decide(config: Config, plan: Plan, snap: Snapshot, state: PolicyState) -> Decision:
+    """What to start and stop now, and why. Pure: the inputs are not changed."""
+    first_seen = _first_seen(snap, state.first_seen)
+    free_since = dict(state.free_since)
+    verdicts = _verdicts(plan, snap, first_seen, free_since)
     backoff = dict(state.backoff)
+    events = []
     for ex in snap.exited:
-        backoff[ex.key], note = _backoff_after(ex, backoff.get(ex.key, Backoff()), config)
-        if note:
-            notes.append(note)
-
-    paused_by = _pause_reason(config, snap)
-    actions: List[object] = []
-    running = {r.key: r for r in snap.running}
+        backoff[ex.key], event = _backoff_after(ex, backoff.get(ex.key, Backoff()), config)
+        if event is not None:
+            events.append(event)
+    paused_by = terminal_users(config, snap)
+    round_ = _Round(config, verdicts, free_since, backoff, paused_by, snap)
+    actions = round_.plan_instances(plan)
     planned = {i.key for i in plan.instances}
-    claimed: Dict[str, str] = {}
-    for inst in plan.instances:
-        if inst.key in running:
-            for uuid in inst.gpus:
-                claimed.setdefault(uuid, inst.key)
-    label = _labeller(plan)
-    waits: Dict[str, str] = {}
-    wakes: List[float] = []
-    for inst in plan.instances:
-        busy = [u for u in inst.gpus if verdicts[u].busy]
-        r = running.get(inst.key)
-        if r is not None:
-            if r.stopping:
-                waits[inst.key] = "stopping"
-            elif paused_by:
-                actions.append(Stop(inst.key, f"paused for terminal user {paused_by[0]}"))
-            elif busy:
-                why = "; ".join(f"{label(u)} busy: {verdicts[u].reasons[0]}" for u in busy)
-                actions.append(Stop(inst.key, why, tuple(busy)))
-            continue
-        wait, wake = _why_not_start(inst, config, verdicts, busy, claimed, backoff, paused_by, now, label)
-        if wake is not None:
-            wakes.append(wake)
-        if wait:
-            waits[inst.key] = wait
-            continue
-        ready = ", ".join(label(u) for u in inst.gpus)
-        actions.append(Start(inst, f"{ready} free for {now - min(free_since[u] for u in inst.gpus):.0f} s"))
-        for uuid in inst.gpus:
-            claimed[uuid] = inst.key
-    for key, r in running.items():
-        if key not in planned and not r.stopping:
-            actions.append(Stop(key, "no longer in the config"))
-    new_state = PolicyState(free_since=free_since, first_seen=first_seen, backoff=backoff)
+    actions += [Stop(r.key, "removed") for r in snap.running if r.key not in planned and not r.stopping]
     return Decision(
         actions=tuple(actions),
-        state=new_state,
+        state=PolicyState(free_since=free_since, first_seen=first_seen, backoff=backoff),
         verdicts=verdicts,
         paused_by=paused_by,
-        next_wake=min(wakes) if wakes else None,
-        notes=tuple(notes),
-        waiting=waits,
+        next_wake=min(round_.wakes) if round_.wakes else None,
+        events=tuple(events),
+        waiting=round_.waits,
     )
 
 
-def _labeller(plan: Plan):
-    def label(uuid: str) -> str:
-        index = plan.index_of.get(uuid)
-        return f"GPU {index} ({uuid})" if index is not None else uuid
+class _Round:
+    """What to do with each planned instance in one decision."""
 
-    return label
+    def __init__(
+        self,
+        config: Config,
+        verdicts: Dict[str, Verdict],
+        free_since: Dict[str, float],
+        backoff: Dict[str, Backoff],
+        paused_by: Tuple[TerminalUse, ...],
+        snap: Snapshot,
+    ):
+        self.config, self.verdicts, self.free_since = config, verdicts, free_since
+        self.backoff, self.paused_by, self.now = backoff, paused_by, snap.now
+        self.running = {r.key: r for r in snap.running}
+        self.waits: Dict[str, Wait] = {}
+        self.wakes: List[float] = []
+        self.claimed: Dict[str, str] = {}
 
+    def plan_instances(self, plan: Plan) -> List[object]:
+        """Stops for running instances that must yield, starts for waiting ones that may run."""
+        for inst in plan.instances:
+            if inst.key in self.running:
+                for uuid in inst.gpus:
+                    self.claimed.setdefault(uuid, inst.key)
+        actions: List[object] = []
+        for inst in plan.instances:
+            busy = [u for u in inst.gpus if self.verdicts[u].busy]
+            r = self.running.get(inst.key)
+            action = self._running(inst, r, busy) if r is not None else self._waiting(inst, busy)
+            if action is not None:
+                actions.append(action)
+        return actions
 
-def _why_not_start(
-    inst: Instance,
-    config: Config,
-    verdicts: Dict[str, Verdict],
-    busy: List[str],
-    claimed: Dict[str, str],
-    backoff: Dict[str, Backoff],
-    paused_by: Tuple[str, ...],
-    now: float,
-    label,
-) -> Tuple[str, Optional[float]]:
-    """('' , None) when the instance may start now; else why not, and when to look again."""
-    if paused_by:
-        return f"paused: {paused_by[0]}", None
-    if busy:
-        return f"waiting: {label(busy[0])} busy: {verdicts[busy[0]].reasons[0]}", None
-    taken = [u for u in inst.gpus if u in claimed and claimed[u] != inst.key]
-    if taken:
-        return f"waiting: {label(taken[0])} runs {claimed[taken[0]]}", None
-    delay = config.defaults.start_delay_seconds
-    since = [verdicts[u].free_since for u in inst.gpus]
-    ready_at = max(now if s is None else s for s in since) + delay
-    b = backoff.get(inst.key)
-    if b is not None and b.not_before > ready_at:
-        ready_at = b.not_before
-        if ready_at > now:
-            return f"restarting in {ready_at - now:.0f} s ({b.last_exit})", ready_at
-    if ready_at > now:
-        return f"waiting: start delay ({ready_at - now:.0f} s left)", ready_at
-    return "", None
+    def _running(self, inst: Instance, r: Running, busy: List[str]) -> Optional[Stop]:
+        if r.stopping:
+            self.waits[inst.key] = Wait("stopping")
+            return None
+        if self.paused_by:
+            return Stop(inst.key, "terminal", terminal=self.paused_by[0])
+        if busy:
+            return Stop(inst.key, "gpu_busy", busy=tuple((u, self.verdicts[u].reasons[0]) for u in busy))
+        return None
+
+    def _waiting(self, inst: Instance, busy: List[str]) -> Optional[Start]:
+        wait = self._why_not_start(inst, busy)
+        if wait is not None:
+            self.waits[inst.key] = wait
+            if wait.until is not None:
+                self.wakes.append(wait.until)
+            return None
+        for uuid in inst.gpus:
+            self.claimed[uuid] = inst.key
+        return Start(inst, self.now - min(self.free_since[u] for u in inst.gpus))
+
+    def _why_not_start(self, inst: Instance, busy: List[str]) -> Optional[Wait]:
+        """None when the instance may start now."""
+        if self.paused_by:
+            return Wait("paused", terminal=self.paused_by[0])
+        if busy:
+            return Wait("busy", gpu=busy[0], reason=self.verdicts[busy[0]].reasons[0])
+        taken = [u for u in inst.gpus if u in self.claimed and self.claimed[u] != inst.key]
+        if taken:
+            return Wait("taken", gpu=taken[0], by=self.claimed[taken[0]])
+        since = [self.verdicts[u].free_since for u in inst.gpus]
+        ready_at = max(self.now if s is None else s for s in since) + self.config.defaults.start_delay_seconds
+        b = self.backoff.get(inst.key)
+        if b is not None and b.not_before > ready_at and b.not_before > self.now:
+            return Wait("backoff", until=b.not_before, last=b.last)
+        if ready_at > self.now:
+            return Wait("start_delay", until=ready_at)
+        return None
 
 
 def processes_by_name(config: Config) -> Dict[str, ProcessSection]:

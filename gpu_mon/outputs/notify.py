@@ -13,6 +13,8 @@ import time
 from typing import Optional
 
 from gpu_mon.api.text import sanitize
+from gpu_mon.engine import words
+from gpu_mon.engine.loop import RoundReport
 
 _MAX_STATUS = 1024
 
@@ -43,6 +45,8 @@ class Notifier:
         self.enabled = bool(env.get("NOTIFY_SOCKET"))
         self._notifier = None
         self._status: Optional[str] = None
+        self.watchdog_every = watchdog_interval(env) if self.enabled else None
+        self._next_watchdog = 0.0
         if self.enabled:
             import sdnotify
 
@@ -75,3 +79,28 @@ class Notifier:
     def stopping(self) -> None:
         """STOPPING=1: shutting down."""
         self.send("STOPPING=1")
+
+    # ------------------------------------------------------------------ as a round listener
+
+    def on_round(self, report: RoundReport) -> None:
+        """STATUS= the round's one-line summary."""
+        if self.enabled:
+            self.status(words.status_line(report))
+
+    def on_event(self, event: str) -> None:
+        """READY, RELOADING, STOPPING; WATCHDOG on `alive` when one is due."""
+        if event == "ready":
+            self.ready()
+        elif event == "reloading":
+            self.reloading()
+        elif event == "stopping":
+            self.stopping()
+        elif event == "alive" and self.watchdog_every:
+            now = time.monotonic()
+            if now >= self._next_watchdog:
+                self.watchdog()
+                self._next_watchdog = now + self.watchdog_every
+
+    def deadline(self) -> Optional[float]:
+        """When the next WATCHDOG=1 is due (the loop wakes for it)."""
+        return self._next_watchdog if self.watchdog_every else None

@@ -6,11 +6,12 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 from gpu_mon import __version__
-from gpu_mon.api.model import Holder, Snapshot
+from gpu_mon.api.model import Gpu, Holder, Snapshot
 from gpu_mon.api.text import sanitize, sanitize_lines
-from gpu_mon.api.ttys import active
-from gpu_mon.config import Config
-from gpu_mon.engine.decisions import Decision
+from gpu_mon.config import Config, GpuSection
+from gpu_mon.engine import words
+from gpu_mon.engine.decisions import Decision, Instance
+from gpu_mon.engine.loop import RoundReport
 from gpu_mon.engine.policy import Plan, ignored
 
 
@@ -18,6 +19,21 @@ def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
     out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": h.ours, "ignored": ignored and not h.ours}
     out.update(extra or {})
     return out
+
+
+def from_report(report: RoundReport) -> dict:
+    """The status document of a daemon's round."""
+    return build(
+        report.config,
+        report.plan,  # type: ignore[arg-type]
+        report.snapshot,
+        report.decision,
+        workloads=report.workloads,
+        decisions=report.said,
+        daemon=report.daemon,
+        source=report.source,
+        wall=report.wall,
+    )
 
 
 def build(
@@ -34,122 +50,124 @@ def build(
 ) -> dict:
     """The whole status document. Times are wall-clock seconds (rounded), so that a document that nothing
     changed in stays the same from round to round, and durations are computed when it is shown."""
-    wall = time.time() if wall is None else wall
-
-    def since(monotonic: float) -> int:
-        return round(wall - (snap.now - monotonic))
-
-    running = {w["key"]: w for w in workloads}
-    by_gpu: Dict[str, str] = {}
-    for key, w in running.items():
-        for uuid in w["gpus"]:
-            by_gpu[uuid] = w.get("label", key)
-    gpus: List[dict] = []
-    for gpu in snap.reading.gpus:
-        uuid = gpu.uuid or ""
-        rules = plan.rules.get(uuid)
-        verdict = decision.verdicts.get(uuid)
-        state = "busy" if verdict is None or verdict.busy else "free"
-        if uuid in by_gpu:
-            state = f"running {by_gpu[uuid]}"
-        nvml = {h.pid: h for h in snap.nvml_procs if uuid in h.gpus}
-        gpus.append(
-            {
-                "index": gpu.index,
-                "uuid": gpu.uuid,
-                "name": gpu.name,
-                "device": gpu.device,
-                "memory_used_mib": gpu.memory_used_mib,
-                "memory_total_mib": gpu.memory_total_mib,
-                "memory_reserved_mib": gpu.memory_reserved_mib,
-                "utilization_pct": gpu.utilization_pct,
-                "errors": list(gpu.errors),
-                "watched": rules is not None,
-                "section": f"gpu-{rules.name}" if rules else None,
-                "state": state,
-                "busy": verdict.busy if verdict else True,
-                "reasons": list(verdict.reasons) if verdict else ["not evaluated"],
-                "free_since_wall": since(verdict.free_since)
-                if verdict and verdict.free_since is not None
-                else None,
-                "holders": [
-                    _holder(h, bool(rules and ignored(h, rules))) for h in snap.holders if uuid in h.gpus
-                ],
-                "nvml_processes": [
-                    _holder(
-                        nvml[p.pid],
-                        bool(rules and ignored(nvml[p.pid], rules)),
-                        {"used_memory_mib": p.used_memory_mib, "kind": p.kind},
-                    )
-                    if p.pid in nvml
-                    else {
-                        "pid": p.pid,
-                        "user": "?",
-                        "name": "?",
-                        "ours": False,
-                        "ignored": False,
-                        "used_memory_mib": p.used_memory_mib,
-                        "kind": p.kind,
-                    }
-                    for p in gpu.processes or ()
-                ],
-            }
-        )
-    tty_cfg = config.tty if config else None
-    hot = (
-        set(active(snap.ttys, tty_cfg.idle_seconds, tty_cfg.whitelist))
-        if tty_cfg and tty_cfg.enabled
-        else set()
-    )
-    terminals = [
-        {
-            "device": t.device,
-            "user": t.user,
-            "active_wall": round(wall - t.idle_seconds),
-            "pauses_work": t in hot,
-        }
-        for t in snap.ttys
-    ]
-    instances = []
-    for inst in plan.instances:
-        w = running.get(inst.key)
-        b = decision.state.backoff.get(inst.key)
-        entry = {
-            "key": inst.key,
-            "process": inst.process,
-            "label": inst.label(plan.index_of),
-            "gpus": list(inst.gpus),
-            "restarts": b.restarts if b else 0,
-            "last_exit": b.last_exit if b else "",
-        }
-        if w:
-            entry.update(
-                state="stopping" if w.get("stopping") else "running",
-                pid=w.get("pid"),
-                command_pid=w.get("command_pid"),
-                started_wall=since(w["started_at"]),
-                why=w.get("stop_reason", ""),
-            )
-        else:
-            why = decision.waiting.get(inst.key, "starting")
-            entry.update(state=why.split(":", 1)[0].split(" ", 1)[0] if why else "waiting", why=why)
-        instances.append(entry)
+    doc = _Document(plan, snap, decision, list(workloads), time.time() if wall is None else wall)
     return {
         "version": 1,
         "gpu_mon": __version__,
         "source": source,
         "daemon": daemon,
         "config": config.path if config else None,
-        "updated_wall": wall,
+        "updated_wall": doc.wall,
         "error": snap.reading.error,
         "problems": list(plan.problems),
         "denied": [{"pid": d.pid, "user": d.user, "name": d.name} for d in snap.denied],
-        "gpus": gpus,
-        "terminals": terminals,
-        "paused_by": list(decision.paused_by),
-        "workloads": instances,
+        "gpus": [doc.gpu(g) for g in snap.reading.gpus],
+        "terminals": doc.terminals(config),
+        "paused_by": [words.terminal(t) for t in decision.paused_by],
+        "workloads": [doc.instance(i) for i in plan.instances],
         "decisions": list(decisions),
     }
+
+
+class _Document:
+    """The parts of one status document."""
+
+    def __init__(self, plan: Plan, snap: Snapshot, decision: Decision, workloads: List[dict], wall: float):
+        self.plan, self.snap, self.decision, self.wall = plan, snap, decision, wall
+        self.running = {w["key"]: w for w in workloads}
+        self.by_gpu: Dict[str, str] = {
+            u: w.get("label", k) for k, w in self.running.items() for u in w["gpus"]
+        }
+
+    def since(self, monotonic: float) -> int:
+        """A monotonic time of this round as wall-clock seconds."""
+        return round(self.wall - (self.snap.now - monotonic))
+
+    def gpu(self, gpu: Gpu) -> dict:
+        """One GPU: what it is, its verdict, who holds it."""
+        uuid = gpu.uuid or ""
+        rules = self.plan.rules.get(uuid)
+        verdict = self.decision.verdicts.get(uuid)
+        state = "busy" if verdict is None or verdict.busy else "free"
+        if uuid in self.by_gpu:
+            state = f"running {self.by_gpu[uuid]}"
+        free = verdict.free_since if verdict else None
+        return {
+            "index": gpu.index,
+            "uuid": gpu.uuid,
+            "name": gpu.name,
+            "device": gpu.device,
+            "memory_used_mib": gpu.memory_used_mib,
+            "memory_total_mib": gpu.memory_total_mib,
+            "memory_reserved_mib": gpu.memory_reserved_mib,
+            "utilization_pct": gpu.utilization_pct,
+            "errors": list(gpu.errors),
+            "watched": rules is not None,
+            "section": f"gpu-{rules.name}" if rules else None,
+            "state": state,
+            "busy": verdict.busy if verdict else True,
+            "reasons": [words.reason(r) for r in verdict.reasons] if verdict else ["not evaluated"],
+            "free_since_wall": self.since(free) if free is not None else None,
+            "holders": [
+                _holder(h, bool(rules and ignored(h, rules))) for h in self.snap.holders if uuid in h.gpus
+            ],
+            "nvml_processes": self._nvml(gpu, rules),
+        }
+
+    def _nvml(self, gpu: Gpu, rules: Optional[GpuSection]) -> List[dict]:
+        nvml = {h.pid: h for h in self.snap.nvml_procs if gpu.uuid in h.gpus}
+        out = []
+        for p in gpu.processes or ():
+            extra = {"used_memory_mib": p.used_memory_mib, "kind": p.kind}
+            h = nvml.get(p.pid)
+            if h is not None:
+                out.append(_holder(h, bool(rules and ignored(h, rules)), extra))
+            else:
+                out.append({"pid": p.pid, "user": "?", "name": "?", "ours": False, "ignored": False, **extra})
+        return out
+
+    def terminals(self, config: Optional[Config]) -> List[dict]:
+        """Every terminal, and whether it pauses work."""
+        hot = {(t.device, t.user) for t in self.decision.paused_by}
+        return [
+            {
+                "device": t.device,
+                "user": t.user,
+                "active_wall": round(self.wall - t.idle_seconds),
+                "pauses_work": (t.device, t.user) in hot,
+            }
+            for t in self.snap.ttys
+        ]
+
+    def instance(self, inst: Instance) -> dict:
+        """One planned workload: running, or why not."""
+        w = self.running.get(inst.key)
+        b = self.decision.state.backoff.get(inst.key)
+        entry = {
+            "key": inst.key,
+            "process": inst.process,
+            "label": inst.label(self.plan.index_of),
+            "gpus": list(inst.gpus),
+            "restarts": b.restarts if b else 0,
+            "last_exit": words.last_exit(b.last) if b else "",
+        }
+        if w:
+            entry.update(
+                state="stopping" if w.get("stopping") else "running",
+                pid=w.get("pid"),
+                command_pid=w.get("command_pid"),
+                started_wall=self.since(w["started_at"]),
+                why=w.get("stop_reason", ""),
+            )
+            return entry
+        wait = self.decision.waiting.get(inst.key)
+        if wait is None:
+            entry.update(state="starting", why="starting")
+        else:
+            entry.update(
+                state=words.wait_state(wait), why=words.wait(wait, self.plan.index_of, self.snap.now)
+            )
+        return entry
 
 
 def _duration(seconds: Optional[float]) -> str:

@@ -146,3 +146,19 @@ def remove(path: str) -> bool:
         return True
     except OSError:
         return False
+
+
+class ContainmentError(Exception):
+    """`containment = cgroup` was asked for and cannot be had; str() is one line."""
+
+
+def choose(mode: str, daemon_pid: int) -> Tuple[Optional[CgroupTree], str]:
+    """The cgroup tree to contain workloads in (None: the subreaper), and how to say which one it is."""
+    if mode == "subreaper":
+        return None, "subreaper (containment = subreaper)"
+    tree, why = CgroupTree.probe(daemon_pid)
+    if tree is None and mode == "cgroup":
+        raise ContainmentError(f"containment = cgroup, but {why}")
+    if tree is None:
+        return None, f"subreaper ({why})"
+    return tree, f"cgroup (a group per workload under {tree.parent})"

@@ -404,6 +404,22 @@ class Supervisor:
             for k, w in self.workloads.items()
         )
 
+    def views(self) -> List[dict]:
+        """What outputs show of each live workload (plain data)."""
+        return [
+            {
+                "key": k,
+                "label": w.label,
+                "gpus": list(w.instance.gpus),
+                "pid": w.pid,
+                "command_pid": w.command_pid,
+                "started_at": w.started_at,
+                "stopping": w.stopping,
+                "stop_reason": w.stop_reason,
+            }
+            for k, w in self.workloads.items()
+        ]
+
     def take_exits(self) -> Tuple[Exited, ...]:
         """Exits since the last call."""
         out, self.exits = tuple(self.exits), []

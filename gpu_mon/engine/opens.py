@@ -1,0 +1,77 @@
+"""Opens of GPU nodes as events: inotify IN_OPEN watches on every node the observer names (each GPU's
+device node, and the nodes of other mount namespaces that a scan found holding one)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Set, Tuple
+
+from gpu_mon.api.observe import Observer
+from gpu_mon.engine.inotify import Inotify
+
+log = logging.getLogger("gpu_mon")
+
+
+class OpenWatch:
+    """The inotify fd and its watches, kept in step with the observer's nodes."""
+
+    def __init__(self, observer: Observer):
+        self.observer = observer
+        self.inotify: Optional[Inotify] = None
+        self.watched: Tuple[str, ...] = ()
+        self.announced: Set[str] = set()
+        self.opened: Set[str] = set()
+
+    def start(self, add_reader: Callable[[int, str], None], interval: float) -> None:
+        """Open the inotify fd (polling alone when that fails)."""
+        try:
+            self.inotify = Inotify()
+        except OSError as err:
+            log.warning("inotify unavailable (%s): relying on polling every %g s", err, interval)
+            return
+        add_reader(self.inotify.fd, "inotify")
+
+    def stop(self, remove_reader: Callable[[int], None]) -> None:
+        """Close the inotify fd (and forget pending opens)."""
+        if self.inotify is not None:
+            remove_reader(self.inotify.fd)
+            self.inotify.close()
+            self.inotify = None
+        self.opened.clear()
+        self.watched = ()
+
+    def read(self) -> None:
+        """Collect the opens the kernel reported; renew the watches if it asked."""
+        if self.inotify is None:
+            return
+        opened, renew = self.inotify.read()
+        self.opened.update(opened)
+        if renew:
+            self.rewatch()
+
+    def take(self) -> Set[str]:
+        """The paths opened since the last take."""
+        opened, self.opened = self.opened, set()
+        return opened
+
+    def refresh(self) -> None:
+        """Watch exactly the observer's nodes, if they changed."""
+        if self.observer.device_paths() != self.watched:
+            self.rewatch()
+
+    def rewatch(self) -> None:
+        """Watch the observer's nodes now; a container's node that went away is forgotten."""
+        self.watched = self.observer.device_paths()
+        if self.inotify is None:
+            return
+        devices = {g.device for g in self.observer.reading.gpus}
+        for path, why in self.inotify.watch(self.watched).items():
+            if path in devices:
+                log.warning("cannot watch %s for opens (%s): relying on polling", path, why)
+            else:
+                log.debug("no longer watching %s (%s)", path, why)
+                self.observer.forget_node(path)
+        new = [p for p in self.watched if p not in devices and p not in self.announced]
+        for path in new:
+            log.info("watching %s for opens too (a GPU node of another mount namespace)", path)
+        self.announced.update(new)
