@@ -154,74 +154,95 @@ def _lex(
     text: str, where: Callable[[int], str], errors: List[str], bad_lines: Dict[int, str]
 ) -> List[_RawSection]:
     """Split into sections; lines with control characters go to `bad_lines` (line -> error)."""
-    sections: List[_RawSection] = []
-    seen: Dict[str, int] = {}
-    keys_seen: Dict[str, int] = {}  # key -> line, in the current section
-    current: Optional[_RawSection] = None
-    header_seen = False  # a '[...' line was met, even a broken one
-    last_item: Optional[int] = None  # index into current.items that an indented line continues
+    lexer = _Lexer(where, errors, bad_lines)
     # Only "\n" ends a line (CRLF tolerated): str.splitlines() would also split on form feeds, U+2028 and
     # others, and every line number after one would be wrong.
     for lineno, raw in enumerate(text.split("\n"), start=1):
-        if raw.endswith("\r"):
-            raw = raw[:-1]
+        lexer.line(lineno, raw[:-1] if raw.endswith("\r") else raw)
+    for section in lexer.sections:
+        section.join()
+    return lexer.sections
+
+
+class _Lexer:
+    """Line by line: headers, `key = value` items, continuation lines."""
+
+    def __init__(self, where: Callable[[int], str], errors: List[str], bad_lines: Dict[int, str]):
+        self.where, self.errors, self.bad_lines = where, errors, bad_lines
+        self.sections: List[_RawSection] = []
+        self.seen: Dict[str, int] = {}  # section name -> line
+        self.keys_seen: Dict[str, int] = {}  # key -> line, in the current section
+        self.current: Optional[_RawSection] = None
+        self.header_seen = False  # a '[...' line was met, even a broken one
+        self.last_item: Optional[int] = None  # index into current.items that an indented line continues
+
+    def line(self, lineno: int, raw: str) -> None:
+        """One line (without its newline)."""
         stripped = raw.strip()
         if not stripped or stripped[0] in ";#":
-            continue
+            return
         bad = _CONTROL_RE.search(raw)
         if bad:  # reported alone: the errors that its mangled text causes are dropped in parse()
-            bad_lines[lineno] = (
-                f"{where(lineno)}: control character U+{ord(bad.group()):04X} in the line (not allowed)"
+            self.bad_lines[lineno] = (
+                f"{self.where(lineno)}: control character U+{ord(bad.group()):04X} in the line (not allowed)"
             )
             raw = _CONTROL_RE.sub("\ufffd", raw)
             stripped = raw.strip()
-        if raw[0] in " \t" and current is not None and last_item is not None:
-            current.more.setdefault(last_item, []).append(stripped)
-            continue
-        last_item = None
+        if raw[0] in " \t" and self.current is not None and self.last_item is not None:
+            self.current.more.setdefault(self.last_item, []).append(stripped)
+            return
+        self.last_item = None
         if stripped.startswith("["):
-            header_seen = True
-            if not stripped.endswith("]"):
-                what = (
-                    "text after the section header's ']' (comments go on their own line)"
-                    if "]" in stripped
-                    else "section header is missing its closing ']'"
-                )
-                errors.append(f"{where(lineno)}: {what}")
-                current = None
-                continue
-            name = stripped[1:-1].strip()
-            if name in seen:
-                errors.append(f"{where(lineno)}: [{name}] appears twice (first at line {seen[name]})")
-                current = None
-                continue
-            seen[name] = lineno
-            keys_seen = {}
-            current = _RawSection(name, lineno)
-            sections.append(current)
-            continue
+            self.header(lineno, stripped)
+        else:
+            self.item(lineno, stripped)
+
+    def header(self, lineno: int, stripped: str) -> None:
+        """A `[section]` line."""
+        self.header_seen = True
+        self.current = None
+        if not stripped.endswith("]"):
+            what = (
+                "text after the section header's ']' (comments go on their own line)"
+                if "]" in stripped
+                else "section header is missing its closing ']'"
+            )
+            self.errors.append(f"{self.where(lineno)}: {what}")
+            return
+        name = stripped[1:-1].strip()
+        if name in self.seen:
+            self.errors.append(
+                f"{self.where(lineno)}: [{name}] appears twice (first at line {self.seen[name]})"
+            )
+            return
+        self.seen[name] = lineno
+        self.keys_seen = {}
+        self.current = _RawSection(name, lineno)
+        self.sections.append(self.current)
+
+    def item(self, lineno: int, stripped: str) -> None:
+        """A `key = value` (or `key: value`) line."""
         cut = [i for i in (stripped.find("="), stripped.find(":")) if i > 0]
         if not cut:
-            errors.append(f"{where(lineno)}: expected 'key = value' or '[section]', found {stripped[:60]!r}")
-            continue
-        if current is None:
-            if not header_seen:
-                errors.append(f"{where(lineno)}: 'key = value' before any [section]")
-            continue  # inside a broken or duplicate section: already reported
+            self.errors.append(
+                f"{self.where(lineno)}: expected 'key = value' or '[section]', found {stripped[:60]!r}"
+            )
+            return
+        if self.current is None:
+            if not self.header_seen:
+                self.errors.append(f"{self.where(lineno)}: 'key = value' before any [section]")
+            return  # inside a broken or duplicate section: already reported
         i = min(cut)
         key = stripped[:i].strip().lower()
-        value = stripped[i + 1 :].strip()
-        if key in keys_seen:
-            errors.append(
-                f"{where(lineno)}: [{current.name}] {key}: set twice (first at line {keys_seen[key]})"
+        if key in self.keys_seen:
+            first = self.keys_seen[key]
+            self.errors.append(
+                f"{self.where(lineno)}: [{self.current.name}] {key}: set twice (first at line {first})"
             )
-            continue
-        keys_seen[key] = lineno
-        current.items.append((key, value, lineno))
-        last_item = len(current.items) - 1
-    for section in sections:
-        section.join()
-    return sections
+            return
+        self.keys_seen[key] = lineno
+        self.current.items.append((key, stripped[i + 1 :].strip(), lineno))
+        self.last_item = len(self.current.items) - 1
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_status_fresh_look_text_and_json(conf, sim):
         r = gpu_mon("--config", str(conf), "--sim", str(sim.path), "status")
         assert r.returncode == 0, r.stderr
         assert "no daemon running; one fresh look at the host" in r.stdout
-        assert f"GPU 0  {UUIDS[0]}  Sim GPU 0" in r.stdout
+        assert f"GPU 0 ({UUIDS[0]})  Sim GPU 0" in r.stdout
         name = (
             Path(f"/proc/{p.pid}/comm").read_text().strip()
         )  # python3, python3.11...: whatever runs the tests

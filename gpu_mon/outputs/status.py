@@ -6,7 +6,7 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 from gpu_mon import __version__
-from gpu_mon.api.model import Gpu, Holder, Snapshot
+from gpu_mon.api.model import Gpu, Holder, Snapshot, gpu_label
 from gpu_mon.api.text import sanitize, sanitize_lines
 from gpu_mon.config import Config, GpuSection
 from gpu_mon.engine import words
@@ -205,93 +205,102 @@ def _where_looked(doc: dict) -> List[str]:
 def render(doc: dict) -> str:
     """The status document as text for a terminal."""
     now = time.time()
-    lines: List[str] = []
+    lines = [*_header(doc, now), ""]
+    for g in doc.get("gpus", []):
+        lines += _gpu_lines(g, now)
+    if not doc.get("gpus"):
+        lines.append("No GPUs found.")
+    lines += _terminal_lines(doc, now) + _workload_lines(doc, now)
+    if doc.get("decisions"):
+        lines += ["", "Recent decisions:"]
+        for entry in doc["decisions"][-10:]:
+            lines.append(f"    {time.strftime('%H:%M:%S', time.localtime(entry['wall']))}  {entry['text']}")
+    return sanitize_lines("\n".join(lines))
+
+
+def _header(doc: dict, now: float) -> List[str]:
     d = doc.get("daemon")
     if d:
-        up = _duration(time.time() - d["started_wall"]) if d.get("started_wall") else "?"
-        lines.append(
+        up = _duration(now - d["started_wall"]) if d.get("started_wall") else "?"
+        lines = [
             f"gpu-mon {doc.get('gpu_mon')}: daemon running (pid {d['pid']}, up {up}); "
             f"config {doc.get('config')}; changed {_duration(now - doc['updated_wall'])} ago"
-        )
+        ]
         if d.get("containment"):
             lines.append(f"  containment: {d['containment']}")
     else:
-        lines.append(
-            f"gpu-mon {doc.get('gpu_mon')}: no daemon running; one fresh look at the host"
-            f"{' (' + doc['source'] + ')' if doc.get('source') else ''}; config {doc.get('config')}"
-        )
-        lines.extend(_where_looked(doc))
+        source = f" ({doc['source']})" if doc.get("source") else ""
+        lines = [
+            f"gpu-mon {doc.get('gpu_mon')}: no daemon running; one fresh look at the host{source}; "
+            f"config {doc.get('config')}"
+        ]
+        lines += _where_looked(doc)
     if doc.get("error"):
         lines.append(f"  GPUs cannot be read: {doc['error']}")
-    for p in doc.get("problems", []):
-        lines.append(f"  config problem: {doc.get('config')}:{p}")
-    for d_ in doc.get("denied", [])[:3]:
-        lines.append(
-            f"  cannot see the open files of {sanitize(d_['user'])} {sanitize(d_['name'])}[{d_['pid']}]"
-        )
-    if len(doc.get("denied", [])) > 3:
-        lines.append(f"  ... and {len(doc['denied']) - 3} more processes (run as root to see them all)")
-    lines.append("")
-    for g in doc.get("gpus", []):
-        mem = (
-            f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB"
-            if g["memory_total_mib"] is not None
-            else "? MiB"
-        )
-        if g.get("memory_reserved_mib"):
-            mem += f" (+{g['memory_reserved_mib']} reserved)"
-        util = f"{g['utilization_pct']}%" if g["utilization_pct"] is not None else "?%"
-        state = g["state"]
-        if state == "free" and g.get("free_since_wall") is not None:
-            state = f"free for {_duration(now - g['free_since_wall'])}"
-        elif state == "busy" and g["reasons"]:
-            state = f"busy: {g['reasons'][0]}"
-        watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
-        lines.append(f"GPU {g['index']}  {g['uuid']}  {g['name']}  {mem}  {util}  {watched}")
-        lines.append(f"    {state}")
-        for reason in g["reasons"][1:]:
-            lines.append(f"    also: {reason}")
-        if g["holders"]:
-            lines.append("    device holders: " + ", ".join(_who(h) for h in g["holders"]))
-        if g["nvml_processes"]:
-            lines.append("    NVML processes: " + ", ".join(_who(h) for h in g["nvml_processes"]))
-    if not doc.get("gpus"):
-        lines.append("No GPUs found.")
+    lines += [f"  config problem: {doc.get('config')}:{p}" for p in doc.get("problems", [])]
+    denied = doc.get("denied", [])
+    lines += [f"  cannot see the open files of {d_['user']} {d_['name']}[{d_['pid']}]" for d_ in denied[:3]]
+    if len(denied) > 3:
+        lines.append(f"  ... and {len(denied) - 3} more processes (run as root to see them all)")
+    return lines
+
+
+def _gpu_lines(g: dict, now: float) -> List[str]:
+    mem = (
+        f"{g['memory_used_mib']}/{g['memory_total_mib']} MiB"
+        if g["memory_total_mib"] is not None
+        else "? MiB"
+    )
+    if g.get("memory_reserved_mib"):
+        mem += f" (+{g['memory_reserved_mib']} reserved)"
+    util = f"{g['utilization_pct']}%" if g["utilization_pct"] is not None else "?%"
+    state = g["state"]
+    if state == "free" and g.get("free_since_wall") is not None:
+        state = f"free for {_duration(now - g['free_since_wall'])}"
+    elif state == "busy" and g["reasons"]:
+        state = f"busy: {g['reasons'][0]}"
+    watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
+    lines = [f"{gpu_label(g['index'], g['uuid'])}  {g['name']}  {mem}  {util}  {watched}", f"    {state}"]
+    lines += [f"    also: {reason}" for reason in g["reasons"][1:]]
+    if g["holders"]:
+        lines.append("    device holders: " + ", ".join(_who(h) for h in g["holders"]))
+    if g["nvml_processes"]:
+        lines.append("    NVML processes: " + ", ".join(_who(h) for h in g["nvml_processes"]))
+    return lines
+
+
+def _terminal_lines(doc: dict, now: float) -> List[str]:
     terms = doc.get("terminals", [])
     recent = [t for t in terms if now - t["active_wall"] < 86400 or t["pauses_work"]]
+    lines: List[str] = []
     if terms:
-        lines.append("")
         stale = len(terms) - len(recent)
         if not recent:
-            lines.append(f"Terminals: {stale}, all idle for over a day")
+            lines += ["", f"Terminals: {stale}, all idle for over a day"]
         else:
-            lines.append("Terminals:" + (f" ({stale} more idle for over a day)" if stale else ""))
+            lines += ["", "Terminals:" + (f" ({stale} more idle for over a day)" if stale else "")]
         for t in sorted(recent, key=lambda t: -t["active_wall"])[:20]:
             mark = "  <- pauses work" if t["pauses_work"] else ""
             lines.append(
-                f"    {t['device']:<12} {sanitize(t['user']):<12} "
-                f"idle {_duration(now - t['active_wall'])}{mark}"
+                f"    {t['device']:<12} {t['user']:<12} idle {_duration(now - t['active_wall'])}{mark}"
             )
     if doc.get("paused_by"):
         lines.append(f"All work paused for terminal users: {'; '.join(doc['paused_by'])}")
-    if doc.get("workloads"):
-        lines.append("")
-        lines.append("Workloads:")
-        for w in doc["workloads"]:
-            if w["state"] in ("running", "stopping"):
-                # The log names a workload by its session id (the leader's pid): say both.
-                cmd = f", command pid {w['command_pid']}" if w.get("command_pid") else ""
-                up = _duration(now - w["started_wall"])
-                what = f"{w['state']}  session {w.get('pid')}{cmd}, up {up}"
-            else:
-                what = w.get("why") or w["state"]
-            extra = f"  restarts {w['restarts']}" if w["restarts"] else ""
-            last = f"  last: {w['last_exit']}" if w.get("last_exit") else ""
-            lines.append(f"    {w['label']:<16} {what}{extra}{last}")
-    if doc.get("decisions"):
-        lines.append("")
-        lines.append("Recent decisions:")
-        for entry in doc["decisions"][-10:]:
-            stamp = time.strftime("%H:%M:%S", time.localtime(entry["wall"]))
-            lines.append(f"    {stamp}  {entry['text']}")
-    return sanitize_lines("\n".join(lines))
+    return lines
+
+
+def _workload_lines(doc: dict, now: float) -> List[str]:
+    if not doc.get("workloads"):
+        return []
+    lines = ["", "Workloads:"]
+    for w in doc["workloads"]:
+        if w["state"] in ("running", "stopping"):
+            # The log names a workload by its session id (the leader's pid): say both.
+            cmd = f", command pid {w['command_pid']}" if w.get("command_pid") else ""
+            what = f"{w['state']}  session {w.get('pid')}{cmd}, up {_duration(now - w['started_wall'])}"
+        else:
+            what = w.get("why") or w["state"]
+        extra = f"  restarts {w['restarts']}" if w["restarts"] else ""
+        last = f"  last: {w['last_exit']}" if w.get("last_exit") else ""
+        lines.append(f"    {w['label']:<16} {what}{extra}{last}")
+    return lines

@@ -129,22 +129,21 @@ class Supervisor:
     def start(self, instance: Instance, section: ProcessSection, label: str, now: float) -> Workload:
         """Spawn the instance's leader; raise StartError with one line if that is impossible."""
         switch_user = os.geteuid() == 0
-        if not switch_user and section.uid != os.geteuid():
-            if section.user_explicit:
-                raise StartError(f"cannot run as {section.user}: gpu-mon is not running as root")
-            section = _as_current_user(section)
-        out_fd: Optional[int] = None
-        if section.log:
-            try:
-                write_fd = safefile.open_append(section.log)
-            except safefile.UnsafeFile as err:
-                raise StartError(f"log file {err}") from None
-        else:
-            out_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-            os.set_blocking(out_fd, False)
+        section = _runnable(section, switch_user)
+        out_fd, write_fd = _output(section)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(status_r, False)
-        spec: dict = {
+        try:
+            popen = _spawn_leader(label, write_fd, status_w)
+        except OSError as err:
+            for fd in (out_fd, status_r):
+                if fd is not None:
+                    os.close(fd)
+            raise StartError(f"cannot start the leader process: {err}") from None
+        finally:
+            os.close(write_fd)
+            os.close(status_w)
+        spec = {
             "argv": list(section.cmd),
             "dir": section.dir,
             "env": workload_env(section, instance.gpus),
@@ -155,52 +154,31 @@ class Supervisor:
             "status_fd": status_w,
             "daemon_pid": self.own_pid,
             "stop_timeout_seconds": self.stop_timeout,
+            # The leader waits for its spec before it starts anything: move it into its cgroup first.
+            "cgroup": self._contain(popen.pid, label),
         }
-        try:
-            popen = subprocess.Popen(
-                [f"gpu-mon-leader[{label}]", "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT)],
-                executable=sys.executable,
-                stdin=subprocess.PIPE,
-                stdout=write_fd,
-                stderr=write_fd,
-                pass_fds=(status_w,),
-                start_new_session=True,
-                close_fds=True,
-                env={"PATH": _ROOT_PATH, "LANG": "C.UTF-8"},
-            )
-        except OSError as err:
-            for fd in (out_fd, status_r):
-                if fd is not None:
-                    os.close(fd)
-            raise StartError(f"cannot start the leader process: {err}") from None
-        finally:
-            os.close(write_fd)
-            os.close(status_w)
-        # The leader waits for its spec before it starts anything: move it into its cgroup first.
-        spec["cgroup"] = self._contain(popen.pid, label)
-        try:
-            assert popen.stdin is not None
-            popen.stdin.write(json.dumps(spec).encode("utf-8"))
-            popen.stdin.close()
-        except OSError:
-            pass  # it died at once; its exit is reported through the pidfd like any other
-        pidfd = os.pidfd_open(popen.pid)
+        _send_spec(popen, spec)
         w = Workload(
             instance=instance,
             label=label,
             popen=popen,
-            pidfd=pidfd,
+            pidfd=os.pidfd_open(popen.pid),
             status_fd=status_r,
             out_fd=out_fd,
             started_at=now,
             cgroup=spec["cgroup"],
         )
-        self.workloads[instance.key] = w
-        self.selector.register(pidfd, selectors.EVENT_READ, ("exit", instance.key))
-        self.selector.register(status_r, selectors.EVENT_READ, ("status", instance.key))
-        if out_fd is not None:
-            self.selector.register(out_fd, selectors.EVENT_READ, ("output", instance.key))
+        self._register(w)
         return w
+
+    def _register(self, w: Workload) -> None:
+        key = w.instance.key
+        self.workloads[key] = w
+        assert w.pidfd is not None and w.status_fd is not None
+        self.selector.register(w.pidfd, selectors.EVENT_READ, ("exit", key))
+        self.selector.register(w.status_fd, selectors.EVENT_READ, ("status", key))
+        if w.out_fd is not None:
+            self.selector.register(w.out_fd, selectors.EVENT_READ, ("output", key))
 
     def _contain(self, leader_pid: int, label: str) -> Optional[str]:
         if self.cgroup_tree is None:
@@ -428,6 +406,51 @@ class Supervisor:
     def sessions(self) -> Dict[int, str]:
         """Session ids of our workloads (= leader pids) -> instance key."""
         return {w.pid: k for k, w in self.workloads.items()}
+
+
+def _runnable(section: ProcessSection, switch_user: bool) -> ProcessSection:
+    """The section as it can run: as its user when we are root, else as us (unless a user was written)."""
+    if switch_user or section.uid == os.geteuid():
+        return section
+    if section.user_explicit:
+        raise StartError(f"cannot run as {section.user}: gpu-mon is not running as root")
+    return _as_current_user(section)
+
+
+def _output(section: ProcessSection) -> Tuple[Optional[int], int]:
+    """(fd we read the workload's output from, or None when it goes to its log file; fd it writes to)."""
+    if section.log:
+        try:
+            return None, safefile.open_append(section.log)
+        except safefile.UnsafeFile as err:
+            raise StartError(f"log file {err}") from None
+    out_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+    os.set_blocking(out_fd, False)
+    return out_fd, write_fd
+
+
+def _spawn_leader(label: str, write_fd: int, status_w: int) -> subprocess.Popen:
+    """The leader process, in its own session, with nothing of ours but the two fds it needs."""
+    return subprocess.Popen(
+        [f"gpu-mon-leader[{label}]", "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT)],
+        executable=sys.executable,
+        stdin=subprocess.PIPE,
+        stdout=write_fd,
+        stderr=write_fd,
+        pass_fds=(status_w,),
+        start_new_session=True,
+        close_fds=True,
+        env={"PATH": _ROOT_PATH, "LANG": "C.UTF-8"},
+    )
+
+
+def _send_spec(popen: subprocess.Popen, spec: dict) -> None:
+    try:
+        assert popen.stdin is not None
+        popen.stdin.write(json.dumps(spec).encode("utf-8"))
+        popen.stdin.close()
+    except OSError:
+        pass  # it died at once; its exit is reported through the pidfd like any other
 
 
 def _as_current_user(section: ProcessSection) -> ProcessSection:
