@@ -10,8 +10,9 @@ own handler, CLOCK_MONOTONIC is system-wide) and to the whole process group bein
 foreign process then closes the node and the workload restarts for the next trial.
 
 Modes, in the same run: gpu-mon as shipped (inotify IN_OPEN + incremental scan, polling every 2 s, a full
-scan every 60 s), and the seed tools' method (polling every 1 s with a full scan, no events). Then each
-daemon's CPU use over --idle-seconds of quiet, with the workload running.
+scan every 60 s), the same at an earlier commit (--baseline REF, default the main before issue 9: the
+baseline measured side by side), and the seed tools' method (polling every 1 s with a full scan, no events).
+Then each daemon's CPU use over --idle-seconds of quiet, with the workload running.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def cpu_ticks(pid: int) -> int:
 class Run:
     """One daemon under test with its workload, simulated GPU and foreign opener."""
 
-    def __init__(self, work: Path, name: str, defaults: Dict[str, object]):
+    def __init__(self, work: Path, name: str, defaults: Dict[str, object], code: Path = ROOT):
         self.dir = work / name
         self.dir.mkdir()
         (self.dir / "dev").mkdir()
@@ -100,7 +101,7 @@ class Run:
         cpath = self.dir / "gpu_mon.conf"
         cpath.write_text(conf)
         os.chmod(cpath, 0o600)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(code))
         env.pop("NOTIFY_SOCKET", None)
         self.log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until close()
         self.daemon = subprocess.Popen(
@@ -197,17 +198,27 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=1000)
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--idle-seconds", type=float, default=60.0)
+    ap.add_argument("--baseline", default="87addb5", help="git ref to measure side by side ('' for none)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root: the daemon must see every process", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="gpu-mon-preempt-"))
-    modes = [
-        ("gpu-mon as shipped (inotify + incremental scan, poll 2 s)", "events", {}),
+    modes = [("gpu-mon as shipped (inotify + incremental scan, poll 2 s)", "events", {}, ROOT)]
+    if a.baseline:
+        old = work / "baseline-code"
+        old.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", a.baseline], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old))
+    modes += [
         (
             "seed-style polling (1 s, full scan, no events)",
             "polling",
             {"interval_seconds": 1, "watch_opens": "no", "full_scan_seconds": 1},
+            ROOT,
         ),
     ]
     print(f"starting {a.procs} background processes...", flush=True)
@@ -215,8 +226,8 @@ def main() -> int:
     rows = []
     try:
         nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
-        for label, name, defaults in modes:
-            run = Run(work, name, defaults)
+        for label, name, defaults, code in modes:
+            run = Run(work, name, defaults, code)
             try:
                 samples = []
                 for i in range(a.trials):

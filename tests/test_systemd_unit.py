@@ -211,7 +211,6 @@ def test_file_system_protection() -> None:
         "ProtectKernelTunables",
         "ProtectKernelModules",
         "ProtectKernelLogs",
-        "ProtectControlGroups",
         "ProtectClock",
         "ProtectHostname",
         "RestrictNamespaces",
@@ -221,3 +220,5 @@ def test_file_system_protection() -> None:
     ):
         assert _one(s, key) == "yes", f"{key}=yes expected"
     assert _one(s, "SystemCallArchitectures") == "native"
+    # The one exception: workloads get cgroups of their own in the delegated subtree (containment).
+    assert _one(s, "Delegate") == "yes" and _one(s, "ProtectControlGroups") == "no"
