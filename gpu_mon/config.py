@@ -40,11 +40,13 @@ MAX_MESSAGE = 240  # longer messages (a huge value or key) are cut in the middle
 
 
 class ConfigError(Exception):
-    """The config cannot be used; `errors` holds one line per problem."""
+    """The config cannot be used; `errors` holds one line per problem. `partial` is what did parse (the
+    sections without errors), so that `check` can report the host's problems with it at the same time."""
 
-    def __init__(self, errors: List[str]):
+    def __init__(self, errors: List[str], partial: Optional[Config] = None):
         super().__init__("\n".join(errors))
         self.errors = list(errors)
+        self.partial = partial
 
 
 @dataclass(frozen=True)
@@ -641,9 +643,7 @@ def parse(text: str, path: str = "<config>") -> Config:
     _cross_check(gpu_sections, processes, where, errors, warnings, path)
     if bad_lines:
         errors = [e for e in errors if _line_of(e) not in bad_lines] + list(bad_lines.values())
-    if errors:
-        raise ConfigError([_shorten(e, path) for e in sorted(errors, key=_line_of)])
-    return Config(
+    config = Config(
         path=path,
         defaults=defaults,
         gpu_sections=tuple(gpu_sections),
@@ -651,6 +651,14 @@ def parse(text: str, path: str = "<config>") -> Config:
         tty=tty,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
+    if errors:
+        raise ConfigError([_shorten(e, path) for e in sorted(errors, key=_line_of)], partial=config)
+    return config
+
+
+def sort_by_line(errors: List[str]) -> List[str]:
+    """Problems in the order of the lines they name."""
+    return sorted(errors, key=_line_of)
 
 
 def _shorten(line: str, path: str) -> str:

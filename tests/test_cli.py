@@ -330,3 +330,18 @@ def test_subcommand_help_lists_the_common_options(command):
     assert r.returncode == 0
     for option in ("--config PATH", "--sim FILE", "--debug"):
         assert option in r.stdout, (command, option)
+
+
+def test_check_reports_syntax_and_host_problems_at_once(tmp_path, sim):
+    # Before: the GPU that does not exist was reported only after the syntax error was fixed.
+    path = write_config(
+        tmp_path / "c.conf",
+        "[gpu-a]\ngpus = 0,7\n[process-m]\ncmd = x\nuser = nosuchuser\ngpus = 0\n[tty]\nenabled = maybe\n",
+    )
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"{path}:1: [gpu-a] gpus: no GPU with index 7 (this host has 2)",
+        f"{path}:5: [process-m] user: no such user 'nosuchuser'",
+        f"{path}:8: [tty] enabled: 'maybe' is not a boolean (use yes/no, true/false, on/off or 1/0)",
+    ]

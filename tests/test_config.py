@@ -112,7 +112,7 @@ healthy_run_seconds = 5
 full_scan_seconds = 7
 watch_opens = no
 state_file = /var/lib/gpu_mon/state.json
-
+containment = subreaper
 [gpu-a]
 gpus = 0, {UUID1}
 ignore_programs = nvitop, gpustat
@@ -244,7 +244,7 @@ def test_shipped_config_with_every_commented_key_enabled_is_valid():
         None,
     )
     (p,) = c.processes
-    assert p.name == "stress" and p.cmd == ("gpu-mon", "stress", "--memory", "88%")
+    assert p.name == "stress" and p.cmd == ("/usr/bin/gpu-mon", "stress", "--memory", "88%")
     assert (p.gpus, p.per_gpu, p.dir, p.log, p.env) == (GpuSelection(all=True), False, "/", None, ())
     assert (p.user, p.gid) == ("nobody", NOBODY.pw_gid)
 
@@ -265,6 +265,7 @@ def test_every_key_at_a_non_default_value():
         full_scan_seconds=7.0,
         watch_opens=False,
         state_file="/var/lib/gpu_mon/state.json",
+        containment="subreaper",
     )
     (g,) = c.gpu_sections
     assert g.name == "a" and g.line == 12

@@ -9,7 +9,7 @@ from typing import Callable, List
 
 from gpu_mon.api import holders
 from gpu_mon.commands import base
-from gpu_mon.config import Config
+from gpu_mon.config import Config, ConfigError, sort_by_line
 from gpu_mon.engine import policy
 from gpu_mon.engine.workloads.supervisor import workload_env
 
@@ -39,10 +39,27 @@ def host_warnings(config: Config) -> List[str]:
     return warnings
 
 
+def _load(args: argparse.Namespace) -> Config:
+    """The config; with syntax errors, raise them together with the GPU problems of what did parse."""
+    try:
+        config = base.load_config(args, required=True)
+    except ConfigError as err:
+        if err.partial is None:
+            raise
+        backend, _source = base.backend(args)
+        reading = backend.read()
+        backend.close()
+        if reading.error:
+            raise
+        problems = policy.resolve(err.partial, reading.gpus).problems
+        raise ConfigError(sort_by_line(err.errors + [f"{err.partial.path}:{p}" for p in problems])) from None
+    assert config is not None
+    return config
+
+
 def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
     """Exit 0 when the config is good here (warnings aside), 2 when it is not."""
-    config = base.load_config(args, required=True)
-    assert config is not None
+    config = _load(args)
     warnings = list(config.warnings) + host_warnings(config)
     backend, source = base.backend(args)
     reading = backend.read()

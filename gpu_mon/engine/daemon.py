@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Callable, Deque, Dict, Iterable, List, Optional, Set
 
-from gpu_mon.api.model import Exited, Snapshot
+from gpu_mon.api.model import Snapshot
 from gpu_mon.api.observe import Backend, Observer
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
@@ -90,7 +90,7 @@ class Daemon:
         except OSError as err:
             log.warning("cannot become a child subreaper: %s", err.strerror)
         tree, self.containment = cgroups.choose(self.config.defaults.containment, os.getpid())
-        self.supervisor.cgroup_tree = tree
+        self.supervisor.contain_in(tree)
         self.loop.catch(_CAUGHT, ignore=(signal.SIGALRM,))
         self._start_watching()
         self._say_hello()
@@ -162,8 +162,7 @@ class Daemon:
             if self.stopping == stops:
                 self._shutdown(now)
             if self.stopping > 1:
-                for w in self.supervisor.workloads.values():
-                    w.kill_at = now  # a second SIGTERM: no more waiting
+                self.supervisor.kill_all_now(now)  # a second SIGTERM: no more waiting
         if self.loop.take(signal.SIGUSR2):
             self.full_scan_requested = True
         if self.loop.take(signal.SIGUSR1):
@@ -302,7 +301,7 @@ class Daemon:
             w = self.supervisor.start(inst, section, label, now)
         except StartError as err:
             self._say(f"cannot start {label}: {err}", logging.ERROR)
-            self.supervisor.exits.append(Exited(inst.key, now, now, 126, False, detail=str(err)))
+            self.supervisor.failed_to_start(inst.key, now, str(err))
             return
         gpus = ", ".join(f"GPU {plan.index_of.get(u, '?')}" for u in inst.gpus)
         self._say(
@@ -404,7 +403,7 @@ class Daemon:
             self.opens.rewatch()
         self.plan = None
         self.reported_problems.clear()
-        self.supervisor.stop_timeout = new.defaults.stop_timeout_seconds
+        self.supervisor.set_stop_timeout(new.defaults.stop_timeout_seconds)
         for key, w in list(self.supervisor.workloads.items()):
             if w.instance.process in changed:
                 self.supervisor.stop(key, "config changed", now)

@@ -119,6 +119,24 @@ class Supervisor:
         self.draining: List[str] = []  # cgroups of ended workloads that still have processes in them
         self.own_pid = os.getpid()
 
+    def contain_in(self, tree: Optional[cgroups.CgroupTree]) -> None:
+        """Give each workload started from now on a cgroup under `tree` (None: the subreaper only)."""
+        self.cgroup_tree = tree
+
+    def set_stop_timeout(self, seconds: float) -> None:
+        """SIGTERM to SIGKILL, for stops from now on."""
+        self.stop_timeout = seconds
+
+    def failed_to_start(self, key: str, now: float, detail: str) -> None:
+        """Record a start that failed before any process ran, as an exit (so that it backs off)."""
+        self.exits.append(Exited(key, now, now, 126, False, detail=detail))
+
+    def kill_all_now(self, now: float) -> None:
+        """Escalate every stop under way to SIGKILL at the next tick."""
+        for w in self.workloads.values():
+            if w.stopping:
+                w.kill_at = now
+
     @property
     def containment(self) -> str:
         """`cgroup` or `subreaper`."""
