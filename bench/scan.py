@@ -96,6 +96,7 @@ def main() -> int:
         scanner.set_targets(targets)
         nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
         full_ms, full = timed(scanner.full, a.repeat)
+        maps_ms, with_maps = timed(lambda: scanner.full(maps=True), a.repeat)
         scanner.full()
         inc_ms, inc = timed(scanner.changed, a.repeat) if scanner.incremental else (float("nan"), full)
         fuser_ms, by_fuser = timed(lambda: fuser_pids(str(device)), a.repeat)
@@ -108,7 +109,8 @@ def main() -> int:
             ]
 
         rows = [
-            ["gpu_mon full scan", f"{full_ms:.1f}", *found(set(full.held))],
+            ["gpu_mon full scan (fds of every thread's table)", f"{full_ms:.1f}", *found(set(full.held))],
+            ["gpu_mon full scan + memory maps (periodic)", f"{maps_ms:.1f}", *found(set(with_maps.held))],
             ["gpu_mon incremental (nothing changed)", f"{inc_ms:.1f}", *found(set(inc.held))],
             ["fuser <node>", f"{fuser_ms:.1f}", *found(by_fuser)],
         ]

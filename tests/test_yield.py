@@ -144,3 +144,62 @@ def test_a_container_node_is_watched_once_seen(tmp_path, sim, daemon_factory, pr
     procs.append(second)
     assert second.stdout.readline() == b"open\n"
     d.wait_log(rf"\[{second.pid}\] holds {ctr}; stopping miner", timeout=5)
+
+
+THREAD = """
+import ctypes, os, sys, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+def own_table():
+    assert libc.unshare(0x400) == 0  # CLONE_FILES: this thread's fd table is its own
+    os.open(sys.argv[1], os.O_RDONLY)
+    print("open", flush=True)
+    time.sleep(600)
+sys.stdin.readline()
+threading.Thread(target=own_table, daemon=True).start()
+time.sleep(600)
+"""
+
+
+def test_a_thread_with_its_own_fd_table_is_found_by_the_open_event(tmp_path, sim, daemon_factory, procs):
+    d = daemon_factory(miner(tmp_path), defaults=SLOW_FULL)
+    d.wait_running("miner")
+    p = subprocess.Popen(
+        [sys.executable, "-c", THREAD, sim.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    procs.append(p)
+    time.sleep(0.3)  # set-up: a few polls cache the process (one thread, no GPU)
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"open\n"
+    d.wait_log(rf"\[{p.pid}\] holds .*nvidia0; stopping miner", timeout=5)
+
+
+MAP_AND_CLOSE = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+c = ctypes
+libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+sys.stdin.readline()
+fd = os.open(sys.argv[1], os.O_RDONLY)
+libc.mmap(None, 4096, 1, 1, fd, 0)
+os.close(fd)  # between two looks: only the memory map is left
+print("mapped", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_node_opened_mapped_and_closed_between_two_looks_is_found(tmp_path, sim, daemon_factory, procs):
+    with open(sim.device(0), "wb") as f:
+        f.write(b"\0" * 4096)
+    d = daemon_factory(miner(tmp_path), defaults=SLOW_FULL)
+    d.wait_running("miner")
+    p = subprocess.Popen(
+        [sys.executable, "-c", MAP_AND_CLOSE, sim.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    procs.append(p)
+    time.sleep(0.3)  # set-up: a few polls cache the process (no GPU)
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"mapped\n"
+    d.wait_log(rf"\[{p.pid}\] holds .*nvidia0; stopping miner", timeout=5)

@@ -7,13 +7,15 @@ A character device matches by `st_rdev`, so a process holding the node under ano
 files match by (st_dev, st_ino), so hard links are found. /dev/nvidiactl and /dev/nvidia-uvm are not GPU
 nodes and attribute nothing.
 
-A full scan stats every fd of every process (50-95 ms for 1000 processes with 10 fds each on a 2-core VM).
-The incremental scan (`changed`) re-reads only processes whose signature changed: since Linux 6.2
-`stat(/proc/PID/fd).st_size` is the open-fd count, its inode and ctime tell a reused pid from the process
-that had it before, and `stat(/proc/PID/task).st_nlink` counts threads (a new thread may bring a table of
-its own). A descriptor replaced in place (close and open, dup2, one received from another process) keeps
-the signature, so the caller runs a full scan when an open event is not explained by the incremental scan
-and whenever a holder lets go of a GPU (`ScanResult.released`: its descriptor may have been handed on).
+A full scan stats every fd of every table of every process (50-95 ms for 1000 processes with 10 fds each
+on a 2-core VM). The incremental scan (`changed`) re-reads only processes whose signature changed: since
+Linux 6.2 `stat(/proc/PID/fd).st_size` is the open-fd count, and its inode and ctime tell a reused pid from
+the process that had it before; the tables of threads known to have their own are part of the signature.
+What keeps the signature (a descriptor replaced in place by close-and-open or dup2, one received from
+another process, a new thread with a table of its own) is left to the caller: it runs a full scan when an
+open event is not explained by the incremental scan, and whenever a holder lets go of a GPU
+(`ScanResult.released`: its descriptor may have been handed on). Counting threads in every poll as well
+doubled a poll's cost (one more stat per process) for a case an open event already covers.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _DENIED = "denied"
 # root-owned executable of that name: any user can name a process `nvidia-smi`.
 BUILTIN_MONITORS = ("nvidia-smi", "nvidia-persistenced", "nv-hostengine", "dcgm-exporter")
 _KCMP_FILES = 2
+_MAX_NODES = 256  # other namespaces' GPU nodes remembered (a hostile user could make many)
 _KCMP_SYSCALL = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "ppc64le": 354, "s390x": 343}.get(
     platform.machine()
 )
@@ -111,7 +114,7 @@ def _shares_fd_table(pid: int, tid: int) -> Optional[bool]:
 
 @dataclass
 class _Entry:
-    # (fd inode, fd ctime, fd count, thread count + 2, fd counts of private tables): the inode and its ctime
+    # (fd inode, fd ctime, fd count, fd counts of private tables): the inode and its ctime
     # belong to this process's proc entry, so a pid reused by a new process between two scans never matches.
     signature: Optional[Tuple[int, ...]]
     gpus: object  # frozenset of UUIDs, or _DENIED
@@ -174,9 +177,12 @@ class _Reader:
         except OSError:
             return
         nodes.add((uuid, path))
-        if stat.S_ISCHR(st.st_mode) and (st.st_dev, st.st_ino) not in self.targets.inodes:
+        key = (st.st_dev, st.st_ino)
+        if stat.S_ISCHR(st.st_mode) and key not in self.targets.inodes and key not in self.extra_nodes:
             # Another node for the same device: a container's own /dev/nvidiaN. Seen through its root.
-            self.extra_nodes.setdefault((st.st_dev, st.st_ino), (uuid, f"{self.proc}/{pid}/root{path}"))
+            if len(self.extra_nodes) >= _MAX_NODES:
+                del self.extra_nodes[next(iter(self.extra_nodes))]  # the oldest goes
+            self.extra_nodes[key] = (uuid, f"{self.proc}/{pid}/root{path}")
 
     def private_tables(self, pid: str) -> Optional[Tuple[int, ...]]:
         """Threads of `pid` that have an fd table of their own; None if unreadable."""
@@ -238,11 +244,12 @@ class HolderScanner:
     def _signature(self, pid: str, private: Tuple[int, ...] = ()) -> Optional[Tuple[int, ...]]:
         try:
             st = os.stat(f"{self.proc}/{pid}/fd")
-            threads = os.stat(f"{self.proc}/{pid}/task").st_nlink
+            if not private:  # nearly every process: this runs for each of them on every poll
+                return (st.st_ino, st.st_ctime_ns, st.st_size)
             tables = tuple(os.stat(f"{self.proc}/{pid}/task/{t}/fd").st_size for t in private)
         except OSError:
             return None
-        return (st.st_ino, st.st_ctime_ns, st.st_size, threads, *tables)
+        return (st.st_ino, st.st_ctime_ns, st.st_size, *tables)
 
     def _read(self, pid: str, maps: bool, old: Optional[_Entry]) -> Optional[_Entry]:
         """Read one process; None if it vanished."""
@@ -313,11 +320,12 @@ class HolderScanner:
             return self.full()
         result = ScanResult()
         live: Set[str] = set()
+        cache = self._cache
         for pid in procfs.list_pids(self.proc):
             if pid in self.skip:
                 continue
             live.add(pid)
-            entry = self._cache.get(pid)
+            entry = cache.get(pid)
             if entry is not None and not entry.mapped:
                 signature = self._signature(pid, entry.private)
                 if signature is not None and entry.signature == signature:

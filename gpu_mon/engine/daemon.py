@@ -182,7 +182,7 @@ class Daemon:
         elif self.deferred_full is not None and now >= self.deferred_full:
             self.deferred_full = None
             self.last_event_full = now
-            self._round(now, scan="full")
+            self._round(now, scan="fds")
         elif not ran and (exits or self._wake_due(now)):
             self._round(now, scan=None)
         self.opens.refresh()
@@ -211,18 +211,24 @@ class Daemon:
         poll that comes in the same wake does not replace it (a poll's incremental scan misses a process
         that swapped a descriptor in place, as a CUDA program's imports can: this was a CI flake).
         """
-        self.observer.scan("changed", self.supervisor.sessions())
         uuids = {self.observer.watch_targets().get(path) for path in opened}
-        rescanned = self.observer.last_rescanned
-        if any(h.pid in rescanned and h.gpus & uuids for h in self.observer.holders):
+        if self._explained("changed", uuids):
             self._round(now, scan=None)
         elif now - self.last_event_full >= _EVENT_FULL_SCAN_GAP:
+            # Every process's every fd table; if even that does not explain it, memory maps too (a process
+            # that opened, mapped and closed the node between two looks).
             self.last_event_full = now
-            self._round(now, scan="full")
+            self._round(now, scan=None if self._explained("fds", uuids) else "full")
         else:
             self._round(now, scan=None)
             if self.deferred_full is None:
                 self.deferred_full = self.last_event_full + _EVENT_FULL_SCAN_GAP
+
+    def _explained(self, scan: str, uuids: Set[Optional[str]]) -> bool:
+        """Scan; whether a process that scan read now holds one of these GPUs."""
+        self.observer.scan(scan, self.supervisor.sessions())
+        rescanned = self.observer.last_rescanned
+        return any(h.pid in rescanned and h.gpus & uuids for h in self.observer.holders)
 
     # ------------------------------------------------------------------ one round
 
