@@ -336,9 +336,8 @@ def test_a_thread_with_its_own_fd_table_is_found(devices, holding):
     p.stdin.write(b"go\n")
     p.stdin.flush()
     assert p.stdout.readline() == b"open\n"
-    # The process's own table did not change, so the incremental scan cannot tell (the daemon's open event
-    # then asks for a full scan: tests/test_yield.py); a full scan reads the thread's table.
-    assert p.pid not in s.changed().held
+    # The process's own table need not change, so the incremental scan may not tell (the daemon's open
+    # event then asks for a full scan: tests/test_yield.py); a full scan reads the thread's table.
     result = s.full()
     assert result.held[p.pid] == {"GPU-1"}
     # From now on its private table is part of its signature: a change there is incremental.

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
+from gpu_mon.api import ttys
 from gpu_mon.api.model import Exited, Gpu, Holder, Running, Snapshot
 from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection
 from gpu_mon.engine.decisions import (
@@ -220,8 +221,7 @@ def terminal_users(config: Config, snap: Snapshot) -> Tuple[TerminalUse, ...]:
         return ()
     return tuple(
         TerminalUse(user=t.user, device=t.device, idle_seconds=t.idle_seconds)
-        for t in snap.ttys
-        if t.idle_seconds < tty.idle_seconds and t.user not in tty.whitelist
+        for t in ttys.active(snap.ttys, tty.idle_seconds, tty.whitelist)
     )
 
 

@@ -11,7 +11,7 @@ import ctypes
 import os
 import signal
 import time
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Iterable, List, Optional, Set
 
 from gpu_mon.api import procfs
 
@@ -66,15 +66,10 @@ def children(pid: int, proc: str = procfs.PROC) -> List[int]:
     return out
 
 
-def descendants(root: int, skip: Iterable[int] = (), proc: str = procfs.PROC) -> Dict[int, int]:
-    """Every live descendant of `root` as {pid: start_ticks}, not entering the subtrees of `skip`."""
-    return procfs.descendants(root, proc, skip=set(skip))
-
-
 def kill_tree(root: int, sig: int, skip: Iterable[int] = (), proc: str = procfs.PROC) -> int:
     """Send `sig` to every descendant of `root` (outside the subtrees of `skip`); return how many."""
     count = 0
-    for pid, start in descendants(root, skip, proc).items():
+    for pid, start in procfs.descendants(root, proc, skip=set(skip)).items():
         if signal_pid(pid, start, sig):
             count += 1
     return count

@@ -137,11 +137,6 @@ class Supervisor:
             if w.stopping:
                 w.kill_at = now
 
-    @property
-    def containment(self) -> str:
-        """`cgroup` or `subreaper`."""
-        return "cgroup" if self.cgroup_tree else "subreaper"
-
     # ------------------------------------------------------------------ starting
 
     def start(self, instance: Instance, section: ProcessSection, label: str, now: float) -> Workload:
