@@ -25,11 +25,11 @@ def test_stray_signals_neither_kill_the_daemon_nor_its_workloads(tmp_path, sim, 
     d = daemon_factory(miner(tmp_path))
     pid = d.wait_running("miner")
     leader = int(d.workload("miner")["pid"])
-    for _ in range(3):
+    for i in range(3):
         d.signal(sig)
         subprocess.run(["kill", f"-{sig.name[3:]}", str(leader)], check=True)  # the leader shrugs too
-    if sig == signal.SIGUSR1:
-        d.wait_log(r"status: 1/2 GPUs running work", count=3)
+        if sig == signal.SIGUSR1:  # (one at a time: the kernel merges a signal sent again before delivery)
+            d.wait_log(r"status: 1/2 GPUs running work", count=i + 1)
     d.signal(signal.SIGUSR1)
     d.wait_log(r"status: ")  # the loop still answers
     assert d.proc.poll() is None and pid_alive(pid) and pid_alive(leader)
@@ -65,8 +65,11 @@ def test_a_reload_with_a_huge_config_does_not_delay_a_yield(tmp_path, sim, daemo
         opened = time.time()
         line = d.wait_log(rf"\[{opener.pid}\] holds .*; stopping miner")[0]
         stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
-        assert stamp - opened < 1.0, line  # the log's own clock: milliseconds since the open
-        d.wait_log(r"reload failed \(18000 problem\(s\)\)")
+        assert stamp - opened < 2.0, line  # the log's own clock: milliseconds since the open
+        failed = d.wait_log(r"reload failed \(18000 problem\(s\)\)")[0]
+        # The yield did not wait for the reload: it was logged while the config was still being checked.
+        lines = d.log().splitlines()
+        assert lines.index(line) < lines.index(failed), "the stop waited for the reload"
     finally:
         opener.kill()
         opener.wait()

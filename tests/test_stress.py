@@ -332,12 +332,16 @@ def test_out_of_memory_backs_off_and_keeps_running(spawn):
 
 
 def test_duty_cycle_alternates_compute_and_sleep(spawn):
+    # Waits for the phases themselves (a --duration made this a race on a loaded machine).
     cycle = ("--compute-seconds", "0.3", "--sleep-seconds", "0.3")
-    child = spawn(*SMALL, *cycle, "--report-seconds", "0.1", "--duration", "1.9")
+    child = spawn(*SMALL, *cycle, "--report-seconds", "0.1")
+    seen = ""
+    while seen.count("sc") < 2:  # compute resumed after two sleeps
+        seen += fields(child.wait_line(r"^stress: report "))["phase"][0]
+    child.wait_line(r"^stress: report .*phase=sleep")  # and a third compute phase ended
+    child.proc.send_signal(signal.SIGTERM)
     assert child.wait_exit() == 0, child.describe()
     reports = [fields(line) for line in child.out if line.startswith("stress: report ")]
-    phases = [r["phase"] for r in reports]
-    assert "".join(p[0] for p in phases).count("sc") >= 2, phases  # compute resumed after two sleeps
     slept_at = []  # iterations done when each sleep phase began
     for before, after in zip(reports, reports[1:]):
         if before["phase"] == after["phase"] == "sleep":  # nothing runs while asleep
@@ -346,7 +350,7 @@ def test_duty_cycle_alternates_compute_and_sleep(spawn):
             slept_at.append(int(after["iterations"]))
     assert len(slept_at) >= 2 and slept_at == sorted(set(slept_at)), slept_at  # and each compute phase ran
     last = fields(child.out[-1])
-    assert (last["reason"], last["code"]) == ("duration", "0")
+    assert (last["reason"], last["code"]) == ("SIGTERM", "0")
     assert float(last["tflops"]) > 0
 
 
@@ -398,7 +402,8 @@ def test_verify_passes_on_a_healthy_device(spawn, workload, dtype):
     assert child.wait_exit() == 0, child.describe()
     assert child.err == []
     exit_line = fields(child.out[-1])
-    assert exit_line["verify"] == "ok" and int(exit_line["iterations"]) > 40
+    # Several products checked (how many is the benchmark's business: bench/stress.py).
+    assert exit_line["verify"] == "ok" and int(exit_line["iterations"]) >= 3
 
 
 # ----- stopping -----

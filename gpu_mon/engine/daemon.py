@@ -209,11 +209,17 @@ class Daemon:
 
         The open is never dropped: when the full scan has to wait for its rate limit it is deferred, and a
         poll that comes in the same wake does not replace it (a poll's incremental scan misses a process
-        that swapped a descriptor in place, as a CUDA program's imports can: this was a CI flake).
+        that swapped a descriptor in place, as a CUDA program's imports can: this was a CI flake). An open
+        the incremental scan does explain is confirmed by a full scan within 0.5 s all the same: the
+        process that explained it may be a child that inherited the descriptor from the real opener.
         """
         uuids = {self.observer.watch_targets().get(path) for path in opened}
         if self._explained("changed", uuids):
             self._round(now, scan=None)
+            # Explained by *a* new holder, which may only have inherited the descriptor (a fork) while the
+            # opener swapped one in place and went unseen: confirm with a full scan soon.
+            if self.deferred_full is None:
+                self.deferred_full = max(now, self.last_event_full + _EVENT_FULL_SCAN_GAP)
         elif now - self.last_event_full >= _EVENT_FULL_SCAN_GAP:
             # Every process's every fd table; if even that does not explain it, memory maps too (a process
             # that opened, mapped and closed the node between two looks).
