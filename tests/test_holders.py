@@ -169,12 +169,16 @@ def test_incremental_scan_finds_new_openers(devices, holding):
     s.full()
     # An old process that opens the device later (its fd count changes) ...
     code = (
-        "import sys; sys.stdin.readline(); f = open(sys.argv[1]); print('open', flush=True); sys.stdin.read()"
+        "import sys; print('ready', flush=True); sys.stdin.readline(); f = open(sys.argv[1]); "
+        "print('open', flush=True); sys.stdin.read()"
     )
     old = subprocess.Popen(
         [sys.executable, "-c", code, devices[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     holding.procs.append(old)
+    # Scanned once it is quiet: caught during its start-up with an import's file open, its count could come
+    # back to the same number when the device takes that file's place (the daemon's open event covers that).
+    assert old.stdout.readline() == b"ready\n"
     s.changed()
     old.stdin.write(b"go\n")
     old.stdin.flush()
