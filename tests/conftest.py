@@ -260,11 +260,16 @@ class Daemon:
         return self.proc.wait(timeout)
 
     def cleanup(self) -> None:
-        """Leave nothing behind, whatever the test did."""
+        """Leave nothing behind, whatever the test did: a live daemon is stopped the way an admin would
+        (it stops its workloads, every process of them); what is left after that is killed."""
         victims = set(self.descendants()) | self.seen_pids
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
         for pid in victims:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

@@ -216,7 +216,9 @@ class _Reader:
                 key = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
             except ValueError:
                 continue
-            uuid = inodes.get(key) or self._mapped_device(pid, parts[0])
+            uuid = inodes.get(key)
+            if uuid is None and parts[5].startswith(b"/dev/"):  # a node we do not know: a container's?
+                uuid = self._mapped_device(pid, parts[0])
             if uuid:
                 found.add(uuid)
         return found

@@ -101,15 +101,34 @@ class CgroupTree:
         return path
 
     def remove_stale(self) -> List[str]:
-        """Remove empty groups that earlier daemons left behind (rmdir fails on a populated group)."""
+        """End the groups that dead daemons left behind: their workloads (gpu-mon started them) are killed
+        if the daemon and its leader were both killed at once, and the empty groups removed. Groups of a
+        daemon that is alive (another state file) are left alone."""
         removed = []
         with contextlib.suppress(OSError):
             for name in os.listdir(self.parent):
-                if name.startswith(PREFIX) and os.path.isdir(os.path.join(self.parent, name)):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(self.parent, name))
-                        removed.append(name)
+                path = os.path.join(self.parent, name)
+                owner = _daemon_pid(name)
+                if owner is None or owner == self.daemon_pid or _alive(owner) or not os.path.isdir(path):
+                    continue
+                if populated(path):
+                    kill(path)
+                if remove(path):
+                    removed.append(name)
         return removed
+
+
+def _daemon_pid(name: str) -> Optional[int]:
+    """The daemon pid in a group name `gpu-mon.<daemon>.<leader>` (or `.probe`), else None."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] + "." != PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def _alive(pid: int) -> bool:
+    st = procfs.read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
 
 
 def kill(path: str) -> bool:
