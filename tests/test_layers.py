@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 
@@ -44,6 +45,11 @@ def test_a_plain_user_takes_a_look_through_the_library(public_dir):
     sim = SimHost(public_dir, 2)
     for path in (public_dir / "dev", sim.path, *(public_dir / "dev").iterdir()):
         os.chmod(path, 0o755)
+    # The package where `nobody` can read it, whatever directory the checkout is in (/root is 0700).
+    code_dir = public_dir / "code"
+    shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (code_dir, *code_dir.rglob("*")):
+        os.chmod(path, 0o755)
     code = (
         "import sys\n"
         "from gpu_mon.api.observe import look\n"
@@ -60,7 +66,7 @@ def test_a_plain_user_takes_a_look_through_the_library(public_dir):
         group=65534,
         extra_groups=[],
         cwd="/",
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir)},
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # a library prints nothing of its own
