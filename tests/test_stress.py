@@ -354,7 +354,8 @@ def test_duty_cycle_alternates_compute_and_sleep(spawn):
     assert len(slept_at) >= 2 and slept_at == sorted(set(slept_at)), slept_at  # and each compute phase ran
     last = fields(child.out[-1])
     assert (last["reason"], last["code"]) == ("SIGTERM", "0")
-    assert float(last["tflops"]) > 0
+    # (the exit line's rate is the last window's: it was stopped while asleep)
+    assert any(r["phase"] == "compute" and float(r["tflops"]) > 0 for r in reports)
 
 
 def test_memory_only_workload_holds_and_idles(spawn):
