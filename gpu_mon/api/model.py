@@ -18,6 +18,9 @@ class GpuProcess:
     pid: int
     used_memory_mib: Optional[int]
     kind: str = "compute"  # "compute" or "graphics"
+    # SM utilization over the last sampling period, as NVML's per-process samples report it; None: unknown
+    # (the driver cannot sample processes). A listed process with no sample in the period is at 0.
+    utilization_pct: Optional[int] = None
 
 
 @dataclass(frozen=True)

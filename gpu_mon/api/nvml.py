@@ -46,6 +46,7 @@ class NvmlBackend:
         self._ready = False
         self._chosen: Dict[str, str] = {}  # "compute"/"graphics" -> the process call that works here
         self._memory_v2: Optional[bool] = None  # None: not tried yet
+        self._samples = _ProcessSamples()
         self.last_timings: Dict[Tuple[str, int], float] = {}
 
     def _module(self) -> ModuleType:
@@ -116,6 +117,7 @@ class NvmlBackend:
         if self._needs_reinit(err):
             self._ready = False
             self._chosen.clear()  # a reloaded driver may export other process calls
+            self._samples = _ProcessSamples()
             with contextlib.suppress(Exception):
                 self._nv.nvmlShutdown()
 
@@ -142,6 +144,10 @@ class NvmlBackend:
         memory = self._memory(index, handle, errors)
         util = self._field(index, "utilization", errors, nv.nvmlDeviceGetUtilizationRates, handle)
         procs = self._processes(index, handle, errors)
+        if procs:
+            procs = self._samples.apply(
+                procs, index, lambda fn, *a: self._call(index, fn, *a), self._nv, handle
+            )
         if uuid is None and not any(e.startswith("uuid:") for e in errors):
             errors.append("uuid: not supported")
         return Gpu(
@@ -230,6 +236,61 @@ class NvmlBackend:
             self._ready = False
             with contextlib.suppress(Exception):
                 self._nv.nvmlShutdown()
+
+
+class _ProcessSamples:
+    """Per-process SM utilization: nvmlDeviceGetProcessesUtilizationInfo (drivers >= 550), else
+    nvmlDeviceGetProcessUtilization. Both return the samples taken since the timestamp passed in, so the
+    last one seen is remembered per GPU. NOT_FOUND means no process was sampled in the period (all at 0%);
+    a driver or GPU that cannot sample processes leaves every process's utilization unknown (None)."""
+
+    _CALLS = ("nvmlDeviceGetProcessesUtilizationInfo", "nvmlDeviceGetProcessUtilization")
+
+    def __init__(self) -> None:
+        self.last_seen: Dict[int, int] = {}  # GPU index -> newest sample timestamp (µs)
+        self.calls: Optional[Tuple[str, ...]] = None  # those that work here, newest first
+
+    def apply(
+        self, procs: Tuple[GpuProcess, ...], index: int, call: Callable, nv: ModuleType, handle: object
+    ) -> Tuple[GpuProcess, ...]:
+        """The processes with `utilization_pct` filled in where the driver reports it."""
+        by_pid = self._read(index, call, nv, handle)
+        if by_pid is None:
+            return procs
+        return tuple(GpuProcess(p.pid, p.used_memory_mib, p.kind, by_pid.get(p.pid, 0)) for p in procs)
+
+    def _read(self, index: int, call: Callable, nv: ModuleType, handle: object) -> Optional[Dict[int, int]]:
+        names = self.calls if self.calls is not None else self._CALLS
+        for name in names:
+            fn = getattr(nv, name, None)
+            if fn is None:
+                continue
+            try:
+                samples = call(fn, handle, self.last_seen.get(index, 0))
+            except _Unsupported:
+                continue
+            except nv.NVMLError as err:
+                code = getattr(err, "value", None)
+                if code in (getattr(nv, "NVML_ERROR_NOT_FOUND", 6), getattr(nv, "NVML_SUCCESS", 0)):
+                    self.calls = (name,)  # no sample since last time: every process idle
+                    return {}
+                if code == getattr(nv, "NVML_ERROR_FUNCTION_NOT_FOUND", 13):
+                    continue
+                return None  # an error this time: unknown, never 0
+            self.calls = (name,)
+            return self._mean(index, samples)
+        self.calls = ()  # nothing works on this driver: do not ask again
+        return None
+
+    def _mean(self, index: int, samples: list) -> Dict[int, int]:
+        """Mean SM utilization per pid over the samples; remember the newest timestamp."""
+        total: Dict[int, List[int]] = {}
+        newest = self.last_seen.get(index, 0)
+        for s in samples:
+            total.setdefault(int(s.pid), []).append(min(100, int(s.smUtil)))
+            newest = max(newest, int(s.timeStamp))
+        self.last_seen[index] = newest
+        return {pid: round(sum(v) / len(v)) for pid, v in total.items()}
 
 
 def _reserved_mib(memory: object) -> Optional[int]:

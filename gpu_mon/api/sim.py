@@ -2,11 +2,12 @@
 
     {"gpus": [{"uuid": "GPU-5a1c...", "name": "Simulated H100", "memory_total_mib": 81559,
                "memory_used_mib": 0, "utilization_pct": 0, "device": "dev/nvidia0",
-               "processes": [{"pid": 4242, "used_memory_mib": 1024}]}]}
+               "processes": [{"pid": 4242, "used_memory_mib": 1024, "utilization_pct": 35}]}]}
 
 GPU index = position in the list. `device` is a regular file standing in for /dev/nvidiaN (created if
 missing; relative to the sim file). A field set to null reads as unreadable, and `"error": "GPU is lost"`
-makes the whole GPU unreadable, so tests can exercise the fail-closed paths.
+makes the whole GPU unreadable, so tests can exercise the fail-closed paths. A process's `utilization_pct` is
+its SM utilization as NVML's per-process samples would report it; absent means unknown.
 """
 
 from __future__ import annotations
@@ -164,14 +165,16 @@ class SimBackend:
         out = []
         for j, p in enumerate(procs):
             pw = f"{where}.processes[{j}]"
-            if not isinstance(p, dict) or set(p) - {"pid", "used_memory_mib"}:
-                raise SimError(f'{pw}: expected {{"pid": N, "used_memory_mib": M}}')
+            if not isinstance(p, dict) or set(p) - {"pid", "used_memory_mib", "utilization_pct"}:
+                raise SimError(f'{pw}: expected {{"pid": N, "used_memory_mib": M, "utilization_pct": U}}')
             pid = _int(p.get("pid"), f"{pw}.pid", minimum=1)
             if pid is None:
                 raise SimError(f"{pw}.pid: missing")
-            out.append(
-                GpuProcess(pid=pid, used_memory_mib=_int(p.get("used_memory_mib"), f"{pw}.used_memory_mib"))
-            )
+            util = _int(p.get("utilization_pct"), f"{pw}.utilization_pct")
+            if util is not None and util > 100:
+                raise SimError(f"{pw}.utilization_pct: at most 100")
+            used = _int(p.get("used_memory_mib"), f"{pw}.used_memory_mib")
+            out.append(GpuProcess(pid=pid, used_memory_mib=used, utilization_pct=util))
         return tuple(out)
 
     def _ensure_devices(self, gpus: Tuple[Gpu, ...]) -> None:

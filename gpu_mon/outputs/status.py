@@ -118,7 +118,11 @@ class _Document:
         nvml = {h.pid: h for h in self.snap.nvml_procs if gpu.uuid in h.gpus}
         out = []
         for p in gpu.processes or ():
-            extra = {"used_memory_mib": p.used_memory_mib, "kind": p.kind}
+            extra = {
+                "used_memory_mib": p.used_memory_mib,
+                "kind": p.kind,
+                "utilization_pct": p.utilization_pct,
+            }
             h = nvml.get(p.pid)
             if h is not None:
                 out.append(_holder(h, bool(rules and ignored(h, rules)), extra))
@@ -186,7 +190,8 @@ def _duration(seconds: Optional[float]) -> str:
 def _who(h: dict) -> str:
     tag = " (ours)" if h.get("ours") else " (ignored)" if h.get("ignored") else ""
     mem = f" {h['used_memory_mib']} MiB" if h.get("used_memory_mib") is not None else ""
-    return f"{sanitize(str(h['user']))} {sanitize(str(h['name']))}[{h['pid']}]{mem}{tag}"
+    util = f" {h['utilization_pct']}%" if h.get("utilization_pct") is not None else ""
+    return f"{sanitize(str(h['user']))} {sanitize(str(h['name']))}[{h['pid']}]{mem}{util}{tag}"
 
 
 def _where_looked(doc: dict) -> List[str]:
