@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, stress
+from gpu_mon.commands import base, stress, watch
 from gpu_mon.commands.check import cmd_check
 from gpu_mon.commands.run import cmd_run
 from gpu_mon.commands.status import cmd_status
@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stress", help="built-in CUDA stressor (needs the gpu-mon[stress] extra)")
     _add_common(p, top=False)
     stress.add_arguments(p)
+    p = sub.add_parser(
+        "watch",
+        help="run CMD; stop its whole process tree when the GPUs it uses stay idle (exit 124)",
+        description="Run CMD and stop its whole process tree when the GPUs it uses stay below the "
+        "threshold for the last N samples: exit 124 then, else CMD's own exit status.",
+    )
+    _add_common(p, top=False)
+    watch.add_arguments(p)
     return parser
 
 
@@ -83,6 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "stress":
             return stress.run(args)
+        if args.command == "watch":
+            return watch.cmd_watch(args)
         if args.command == "check":
             return cmd_check(args, _stderr)
         return {"run": cmd_run, "status": cmd_status}[args.command](args)

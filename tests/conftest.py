@@ -82,6 +82,26 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def marked(marker: str) -> List[int]:
+    """Live (not zombie) processes whose command line carries the marker."""
+    out = []
+    needle = marker.encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if needle not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        out.append(int(name))
+    return out
+
+
 class SimHost:
     """A simulated host: the JSON file the daemon re-reads each look, and the device stand-in files."""
 

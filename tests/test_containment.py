@@ -14,32 +14,12 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import GPU_MON, WORKLOAD_PYTHON, wait_for
+from conftest import GPU_MON, WORKLOAD_PYTHON, marked, wait_for
 
 HOSTILE = Path(__file__).resolve().parent / "hostile.py"
 STOP_TIMEOUT = 1.0
 # The requirement is stop_timeout + 1 s; the rest is room for a loaded CI machine to notice.
 BOUND = STOP_TIMEOUT + 1.0 + 2.0
-
-
-def marked(marker: str) -> List[int]:
-    """Live (not zombie) processes whose command line carries the marker."""
-    out = []
-    needle = marker.encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if needle not in f.read():
-                    continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-        except OSError:
-            continue
-        out.append(int(name))
-    return out
 
 
 def body(tmp_path: Path, marker: str, mode: str, exit_after: float = 0, tty: str = "") -> str:

@@ -356,6 +356,13 @@ class HolderScanner:
                 self._update(pid, None, self._cache[pid], result)
         return self._result(result)
 
+    def only(self, pids: Iterable[int]) -> ScanResult:
+        """Read the fds of exactly these processes, forgetting every other (a process tree's scan: its cost
+        is the tree's size, not /proc's)."""
+        keep = {str(p) for p in pids} - self.skip
+        self._cache = {p: e for p, e in self._cache.items() if p in keep}
+        return self.full(pids=sorted(keep))
+
     def forget(self, pids: Iterable[int]) -> None:
         """Drop cached results (e.g. a holder whose start time changed: the pid was reused)."""
         for pid in pids:

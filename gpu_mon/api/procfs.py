@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 PROC = "/proc"
 
@@ -144,4 +145,31 @@ def descendants(root: int, proc: str = PROC, skip: Optional[Set[int]] = None) ->
             continue
         out[pid] = starts[pid]
         todo.extend(children.get(pid, ()))
+    return out
+
+
+def children(pid: int, proc: str = PROC) -> List[int]:
+    """Direct children of a process, from /proc/PID/task/TID/children (every thread's list)."""
+    out: List[int] = []
+    try:
+        tasks = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError), open(f"{proc}/{pid}/task/{tid}/children") as f:
+            out.extend(int(x) for x in f.read().split())
+    return out
+
+
+def subtree(root: int, proc: str = PROC, limit: int = 100_000) -> Set[int]:
+    """`root` and every live descendant, walking children lists down from it: the cost is the size of the
+    tree, not of /proc (`descendants` reads every process). Escaped processes (setsid, double fork) stay in
+    it when `root` is a child subreaper."""
+    out: Set[int] = set()
+    todo = [root] if os.path.isdir(f"{proc}/{root}") else []
+    while todo and len(out) < limit:
+        pid = todo.pop()
+        if pid not in out:
+            out.add(pid)
+            todo.extend(children(pid, proc))
     return out

@@ -67,7 +67,7 @@ class Leader:
                 s["argv"],
                 cwd=s["dir"],
                 env=s["env"],
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if s.get("stdin_fd") is None else int(s["stdin_fd"]),
                 close_fds=True,
                 preexec_fn=_unblock_signals,
                 restore_signals=True,

@@ -6,12 +6,11 @@ in tens of milliseconds.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import time
-from typing import Iterable, List, Optional, Set
+from typing import Iterable, Optional, Set
 
 from gpu_mon.api import procfs
 
@@ -53,19 +52,6 @@ def signal_pid(pid: int, start_ticks: Optional[int], sig: int) -> bool:
         os.close(fd)
 
 
-def children(pid: int, proc: str = procfs.PROC) -> List[int]:
-    """Direct children of a process, from /proc/PID/task/TID/children (every thread's list)."""
-    out: List[int] = []
-    try:
-        tasks = os.listdir(f"{proc}/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError), open(f"{proc}/{pid}/task/{tid}/children") as f:
-            out.extend(int(x) for x in f.read().split())
-    return out
-
-
 def kill_tree(root: int, sig: int, skip: Iterable[int] = (), proc: str = procfs.PROC) -> int:
     """Send `sig` to every descendant of `root` (outside the subtrees of `skip`); return how many."""
     count = 0
@@ -86,7 +72,7 @@ def kill_until_gone(root: int, skip: Iterable[int] = (), budget_seconds: float =
     skipped: Set[int] = set(skip)
     deadline = time.monotonic() + budget_seconds
     while True:
-        for pid in children(root):
+        for pid in procfs.children(root):
             if pid not in skipped:
                 signal_pid(pid, None, signal.SIGKILL)
         if not kill_tree(root, signal.SIGKILL, skipped):

@@ -52,6 +52,22 @@ class StartError(Exception):
     """A workload could not be started; str() is one line."""
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One command to run under a leader: what, where, as whom, and where its output goes."""
+
+    argv: Tuple[str, ...]
+    dir: str
+    env: Dict[str, str]
+    uid: int
+    gid: int
+    groups: Tuple[int, ...] = ()
+    switch_user: bool = False
+    log: Optional[str] = None  # append its output here; None: relay it to our log, tagged
+    # (stdin, stdout, stderr) fds it inherits instead (`gpu-mon watch`: the terminal's); None: as above
+    stdio: Optional[Tuple[int, int, int]] = None
+
+
 @dataclass
 class Workload:
     """One running instance: its leader process and what we know of it."""
@@ -143,28 +159,49 @@ class Supervisor:
         """Spawn the instance's leader; raise StartError with one line if that is impossible."""
         switch_user = os.geteuid() == 0
         section = _runnable(section, switch_user)
-        out_fd, write_fd = _output(section)
+        launch = Launch(
+            argv=tuple(section.cmd),
+            dir=section.dir,
+            env=workload_env(section, instance.gpus),
+            uid=section.uid,
+            gid=section.gid,
+            groups=tuple(section.groups),
+            switch_user=switch_user,
+            log=section.log,
+        )
+        return self.launch(instance, launch, label, now)
+
+    def launch(self, instance: Instance, launch: Launch, label: str, now: float) -> Workload:
+        """Spawn a leader that runs `launch`, contained like every workload; StartError if impossible."""
+        if launch.stdio is None:
+            out_fd, write_fd = _output(launch.log)
+            stdio = (write_fd, write_fd, write_fd)
+        else:
+            out_fd, write_fd, stdio = None, None, launch.stdio
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(status_r, False)
         try:
-            popen = _spawn_leader(label, write_fd, status_w)
+            passed = (status_w,) if launch.stdio is None else (status_w, stdio[0])
+            popen = _spawn_leader(label, stdio[1], stdio[2], passed)
         except OSError as err:
             for fd in (out_fd, status_r):
                 if fd is not None:
                     os.close(fd)
             raise StartError(f"cannot start the leader process: {err}") from None
         finally:
-            os.close(write_fd)
-            os.close(status_w)
+            for fd in (write_fd, status_w):
+                if fd is not None:
+                    os.close(fd)
         spec = {
-            "argv": list(section.cmd),
-            "dir": section.dir,
-            "env": workload_env(section, instance.gpus),
-            "uid": section.uid,
-            "gid": section.gid,
-            "groups": list(section.groups),
-            "switch_user": switch_user,
+            "argv": list(launch.argv),
+            "dir": launch.dir,
+            "env": launch.env,
+            "uid": launch.uid,
+            "gid": launch.gid,
+            "groups": list(launch.groups),
+            "switch_user": launch.switch_user,
             "status_fd": status_w,
+            "stdin_fd": stdio[0] if launch.stdio is not None else None,
             "daemon_pid": self.own_pid,
             "stop_timeout_seconds": self.stop_timeout,
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
@@ -378,7 +415,7 @@ class Supervisor:
     def reap_orphans(self) -> None:
         """Reap exited children that are not leaders (never a leader: those are reaped in on_exit)."""
         leaders = {w.pid for w in self.workloads.values()}
-        for pid in linux.children(self.own_pid):
+        for pid in procfs.children(self.own_pid):
             if pid in leaders:
                 continue
             st = procfs.read_stat(pid)
@@ -430,11 +467,11 @@ def _runnable(section: ProcessSection, switch_user: bool) -> ProcessSection:
     return _as_current_user(section)
 
 
-def _output(section: ProcessSection) -> Tuple[Optional[int], int]:
+def _output(log_path: Optional[str]) -> Tuple[Optional[int], int]:
     """(fd we read the workload's output from, or None when it goes to its log file; fd it writes to)."""
-    if section.log:
+    if log_path:
         try:
-            return None, safefile.open_append(section.log)
+            return None, safefile.open_append(log_path)
         except safefile.UnsafeFile as err:
             raise StartError(f"log file {err}") from None
     out_fd, write_fd = os.pipe2(os.O_CLOEXEC)
@@ -442,15 +479,15 @@ def _output(section: ProcessSection) -> Tuple[Optional[int], int]:
     return out_fd, write_fd
 
 
-def _spawn_leader(label: str, write_fd: int, status_w: int) -> subprocess.Popen:
-    """The leader process, in its own session, with nothing of ours but the two fds it needs."""
+def _spawn_leader(label: str, stdout: int, stderr: int, pass_fds: Tuple[int, ...]) -> subprocess.Popen:
+    """The leader process, in its own session, with nothing of ours but the fds it needs."""
     return subprocess.Popen(
         [f"gpu-mon-leader[{label}]", "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT)],
         executable=sys.executable,
         stdin=subprocess.PIPE,
-        stdout=write_fd,
-        stderr=write_fd,
-        pass_fds=(status_w,),
+        stdout=stdout,
+        stderr=stderr,
+        pass_fds=pass_fds,
         start_new_session=True,
         close_fds=True,
         env={"PATH": _ROOT_PATH, "LANG": "C.UTF-8"},
