@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, stress, watch
+from gpu_mon.commands import base, sentinel, stress, watch
 from gpu_mon.commands.check import cmd_check
 from gpu_mon.commands.run import cmd_run
 from gpu_mon.commands.status import cmd_status
@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, top=False)
     stress.add_arguments(p)
     p = sub.add_parser(
+        "sentinel",
+        help="act once (exit, shut down, reboot, run a command) when the GPUs go idle after being busy",
+        description="Arm once the GPUs have been busy for --arm-duration, then act once when they have "
+        "been idle for --kill-duration. A GPU that cannot be read counts as active. Exit 0 when "
+        "end_process fires, 1 when the action fails, 2 on bad usage.",
+    )
+    _add_common(p, top=False)
+    sentinel.add_arguments(p)
+    p = sub.add_parser(
         "watch",
         help="run CMD; stop its whole process tree when the GPUs it uses stay idle (exit 124)",
         description="Run CMD and stop its whole process tree when the GPUs it uses stay below the "
@@ -91,6 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "stress":
             return stress.run(args)
+        if args.command == "sentinel":
+            return sentinel.cmd_sentinel(args)
         if args.command == "watch":
             return watch.cmd_watch(args)
         if args.command == "check":

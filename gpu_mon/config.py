@@ -121,6 +121,27 @@ class TtySection:
     devices: Tuple[str, ...] = DEFAULT_TTY_DEVICES
 
 
+KILL_ACTIONS = ("end_process", "shutdown", "reboot", "command")
+
+
+@dataclass(frozen=True)
+class SentinelSection:
+    """The [sentinel] section (seed 001 in the daemon), also what `gpu-mon sentinel`'s options make: arm
+    after `arm_duration_seconds` at >= arm_threshold, act once after `kill_duration_seconds` below
+    kill_threshold. Thresholds are fractions 0-1."""
+
+    arm_duration_seconds: float = 30.0
+    arm_threshold: float = 0.7
+    kill_duration_seconds: float = 300.0
+    kill_threshold: float = 0.1
+    kill_action: str = "end_process"
+    command: Tuple[str, ...] = ()
+    gpus: GpuSelection = GpuSelection(all=True)
+    aggregate: str = "mean"  # or max: one busy GPU keeps the machine up
+    dry_run: bool = False
+    line: int = 0
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole, valid config."""
@@ -130,6 +151,7 @@ class Config:
     gpu_sections: Tuple[GpuSection, ...] = ()
     processes: Tuple[ProcessSection, ...] = ()
     tty: TtySection = TtySection()
+    sentinel: Optional[SentinelSection] = None  # off unless the section is written
     warnings: Tuple[str, ...] = ()
 
 
@@ -336,6 +358,16 @@ def _gpus(value: str) -> GpuSelection:
             raise ValueError(f"{item!r} is listed twice")
         refs.append(ref)
     return GpuSelection(refs=tuple(refs))
+
+
+def parse_gpus(value: str) -> GpuSelection:
+    """`ALL`, or a comma-separated list of NVML indices and UUIDs; ValueError naming what is wrong."""
+    return _gpus(value)
+
+
+def parse_command(value: str) -> Tuple[str, ...]:
+    """A command line split like a shell would (no shell runs it); ValueError naming what is wrong."""
+    return _command(value)
 
 
 def _command(value: str) -> Tuple[str, ...]:
@@ -584,12 +616,49 @@ def _tty_section(sec: _Section, warn: List[str]) -> TtySection:
     return TtySection(**{k: v for k, (v, _) in values.items()})
 
 
-_KINDS = ("defaults", "tty", "gpu-NAME", "process-NAME")
+def fraction(value: str) -> float:
+    """A number from 0 to 1 (`0.7`)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number from 0 to 1") from None
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{value!r} is not a fraction from 0 to 1 (70% is 0.7)")
+    return number
+
+
+def _sentinel_section(sec: _Section) -> SentinelSection:
+    schema: Dict[str, Callable[[str], object]] = {
+        "arm_duration_seconds": _seconds,
+        "arm_threshold": fraction,
+        "kill_duration_seconds": _seconds,
+        "kill_threshold": fraction,
+        "kill_action": _choice(*KILL_ACTIONS),
+        "command": _optional(_command),
+        "gpus": _gpus,
+        "aggregate": _choice("mean", "max"),
+        "dry_run": _bool,
+    }
+    values = sec.parse(schema)
+    fields = {k: v for k, (v, _) in values.items() if v is not None}
+    found = SentinelSection(line=sec.raw.line, **fields)
+    if found.kill_action == "command" and not found.command:
+        sec.error(values["kill_action"][1], "command", "missing: kill_action = command needs command = CMD")
+    elif found.command and found.kill_action != "command":
+        sec.error(
+            values["command"][1],
+            "command",
+            f"is only used with kill_action = command, not {found.kill_action}",
+        )
+    return found
+
+
+_KINDS = ("defaults", "tty", "sentinel", "gpu-NAME", "process-NAME")
 
 
 def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
     name = raw.name
-    if name in ("defaults", "tty"):
+    if name in ("defaults", "tty", "sentinel"):
         return name
     for prefix in ("gpu-", "process-"):
         if name.startswith(prefix):
@@ -603,7 +672,8 @@ def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
                 )
                 return None
             return prefix
-    near = difflib.get_close_matches(name.lower(), ["defaults", "tty", "gpu-", "process-"], n=1, cutoff=0.5)
+    known = ["defaults", "tty", "sentinel", "gpu-", "process-"]
+    near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.5)
     hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
     sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
     return None
@@ -622,6 +692,7 @@ def parse(text: str, path: str = "<config>") -> Config:
 
     base = os.path.dirname(os.path.abspath(path)) if not path.startswith("<") else os.getcwd()
     defaults, tty = Defaults(), TtySection()
+    sentinel: Optional[SentinelSection] = None
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
     bad_lines: Dict[int, str] = {}
@@ -632,6 +703,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             defaults = _defaults(sec, base)
         elif kind == "tty":
             tty = _tty_section(sec, warnings)
+        elif kind == "sentinel":
+            sentinel = _sentinel_section(sec)
         elif kind == "gpu-":
             g = _gpu_section(sec, warnings)
             if g:
@@ -649,6 +722,7 @@ def parse(text: str, path: str = "<config>") -> Config:
         gpu_sections=tuple(gpu_sections),
         processes=tuple(processes),
         tty=tty,
+        sentinel=sentinel,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
     if errors:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import psutil
 import pytest
@@ -171,8 +171,10 @@ class Daemon:
         body: str,
         defaults: Optional[Dict[str, object]] = None,
         env: Optional[Dict[str, str]] = None,
+        args: Tuple[str, ...] = (),
     ):
         self.tmp = tmp_path
+        self.args = args
         self.sim = sim
         self.state_path = tmp_path / "state.json"
         self.config_path = tmp_path / "gpu_mon.conf"
@@ -205,7 +207,7 @@ class Daemon:
         """Start `gpu-mon run` in its own session."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the daemon writes it until cleanup()
         self.proc = subprocess.Popen(
-            [*GPU_MON, "--config", str(self.config_path), "--sim", str(self.sim.path), "run"],
+            [*GPU_MON, "--config", str(self.config_path), "--sim", str(self.sim.path), "run", *self.args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -307,8 +309,9 @@ def daemon_factory(tmp_path: Path, sim: SimHost):
         defaults: Optional[Dict[str, object]] = None,
         env: Optional[Dict[str, str]] = None,
         start: bool = True,
+        args: Tuple[str, ...] = (),
     ) -> Daemon:
-        d = Daemon(tmp_path, sim, body, defaults, env)
+        d = Daemon(tmp_path, sim, body, defaults, env, args)
         made.append(d)
         return d.start() if start else d
 

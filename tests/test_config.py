@@ -6,6 +6,7 @@ Every error is one line `PATH:LINE: [section] key: what is wrong`, and all error
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import grp
 import math
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpu_mon import config
-from gpu_mon.config import ConfigError, Defaults, GpuSelection, TtySection
+from gpu_mon.config import ConfigError, Defaults, GpuSelection, SentinelSection, TtySection
 
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "/etc/gpu_mon.conf"
@@ -235,6 +236,7 @@ def test_shipped_config_with_every_commented_key_enabled_is_valid():
     c = parse("\n".join(lines) + "\n")
     assert c.defaults == Defaults()
     assert c.tty == TtySection()
+    assert c.sentinel is not None and dataclasses.replace(c.sentinel, line=0) == SentinelSection()
     (g,) = c.gpu_sections
     assert (g.gpus, g.ignore_programs, g.ignore_users, g.busy_memory_mib, g.holder_grace_seconds) == (
         GpuSelection(all=True),
@@ -962,6 +964,43 @@ INVALID = [
         "control character U+000D",
     ),
 ]
+
+
+INVALID += [
+    ("sentinel-threshold", "[sentinel]\narm_threshold = 70\n", 2, "[sentinel] arm_threshold: ", "fraction"),
+    ("sentinel-action", "[sentinel]\nkill_action = halt\n", 2, "[sentinel] kill_action: ", "not one of"),
+    ("sentinel-no-cmd", "[sentinel]\nkill_action = command\n", 2, "[sentinel] command: ", "needs command"),
+    ("sentinel-cmd-unused", "[sentinel]\ncommand = x\n", 2, "[sentinel] command: ", "only used with"),
+    (
+        "sentinel-key",
+        "[sentinel]\narm_duration = 3\n",
+        2,
+        "[sentinel] arm_duration: ",
+        "arm_duration_seconds",
+    ),
+    (
+        "sentinel-negative",
+        "[sentinel]\nkill_duration_seconds = -1\n",
+        2,
+        "[sentinel] kill_duration",
+        "at least 0",
+    ),
+    ("sentinel-typo", "[sentinal]\n", 1, "[sentinal]: ", "did you mean [sentinel]"),
+]
+
+
+def test_sentinel_section():
+    c = parse(
+        "[sentinel]\nkill_action = command\ncommand = /usr/bin/notify 'GPUs idle'\n"
+        "gpus = 1, 0\naggregate = max\n"
+    )
+    assert c.sentinel is not None
+    assert (c.sentinel.command, c.sentinel.gpus, c.sentinel.aggregate) == (
+        ("/usr/bin/notify", "GPUs idle"),
+        GpuSelection(refs=(1, 0)),
+        "max",
+    )
+    assert parse("[tty]\n").sentinel is None  # off unless written
 
 
 @pytest.mark.parametrize(

@@ -128,3 +128,15 @@ def test_lock_holder_probe(tmp_path):
     finally:
         held.release()
     assert lock.holder(state) is None
+
+
+def test_sigterm_as_soon_as_the_lock_is_held_is_a_clean_stop(tmp_path, sim):
+    # Seen under CPU load: SIGTERM that came after the daemon took its lock but before its handlers were
+    # set killed it by the signal (-15). A daemon that holds the lock must already stop cleanly on SIGTERM.
+    state = tmp_path / "state.json"
+    c = conf(tmp_path, state)
+    for _ in range(10):
+        d = run(c, sim.path)
+        wait_for(lambda: lock.holder(str(state)) == d.pid, what="the lock held", interval=0.0005)  # noqa: B023
+        d.terminate()
+        assert d.wait(20) == 0, d.stderr.read() if d.stderr else ""

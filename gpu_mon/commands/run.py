@@ -21,6 +21,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = base.load_config(args, required=True)
     assert config is not None
     backend, source = base.backend(args, writes=True)
+    trusted = trusted_uid_for_this_process()
+    listeners = [StateFile(config.defaults.state_file), Notifier()]
+    daemon = Daemon(
+        config, backend, trusted_uid=trusted, source="" if source == "NVML" else source, listeners=listeners
+    )
+    # Signals are the loop's before the lock is: whoever sees a daemon holding the lock may stop it.
+    daemon.catch_signals()
     lock = DaemonLock(config.defaults.state_file)
     try:
         lock.acquire()
@@ -32,11 +39,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             "any runs) and workloads run as %s",
             os.environ.get("USER", "this user"),
         )
-    trusted = trusted_uid_for_this_process()
-    listeners = [StateFile(config.defaults.state_file), Notifier()]
-    daemon = Daemon(
-        config, backend, trusted_uid=trusted, source="" if source == "NVML" else source, listeners=listeners
-    )
     try:
         return daemon.run()
     except ContainmentError as err:

@@ -24,6 +24,7 @@ from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
 from gpu_mon.engine import policy, words
 from gpu_mon.engine.decisions import Decision, PolicyState, Start, Stop
+from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.opens import OpenWatch
 from gpu_mon.engine.reload import Reloader
@@ -63,6 +64,8 @@ class Daemon:
         self.opens = OpenWatch(self.observer)
         self.supervisor = Supervisor(self.loop.selector, config.defaults.stop_timeout_seconds)
         self.reloader = Reloader(self.loop.poke)
+        self.idle: Optional[DaemonSentinel] = None
+        self.signals_caught = False
         self.containment = ""
         self.state = PolicyState()
         self.plan: Optional[policy.Plan] = None
@@ -89,11 +92,12 @@ class Daemon:
             linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)
         except OSError as err:
             log.warning("cannot become a child subreaper: %s", err.strerror)
+        self.catch_signals()
         tree, self.containment = cgroups.choose(self.config.defaults.containment, os.getpid())
         self.supervisor.contain_in(tree)
-        self.loop.catch(_CAUGHT, ignore=(signal.SIGALRM,))
         self._start_watching()
         self._say_hello()
+        self._set_sentinel()
         self._poll(self.clock(), full=True)
         self.opens.rewatch()
         self.loop.announce("ready")
@@ -111,6 +115,13 @@ class Daemon:
         self._finish()
         return 0
 
+    def catch_signals(self) -> None:
+        """From now on SIGTERM and friends are counted and handled by the loop (a stop before `run` is kept
+        for it). Call before taking the state file's lock: a daemon that holds it stops cleanly."""
+        if not self.signals_caught:
+            self.loop.catch(_CAUGHT, ignore=(signal.SIGALRM,))
+            self.signals_caught = True
+
     def _say_hello(self) -> None:
         d = self.config.defaults
         log.info(
@@ -124,6 +135,24 @@ class Daemon:
         log.info("containment: %s", self.containment)
         for warning in self.config.warnings:
             log.warning("%s", warning)
+
+    def _set_sentinel(self) -> None:
+        """The [sentinel] listener for the current config (anew: a changed section starts over)."""
+        if self.idle is not None:
+            self.loop.listeners.remove(self.idle)
+            self.idle = None
+        s = self.config.sentinel
+        if s is not None:
+            self.idle = DaemonSentinel(
+                s, self.config.defaults.interval_seconds, self.end, self.supervisor.spawn_helper, self.clock
+            )
+            self.loop.listeners.append(self.idle)
+
+    def end(self) -> None:
+        """Stop every workload and exit 0, as SIGTERM does (the sentinel's end_process)."""
+        self.stopping += 1
+        if self.stopping == 1:
+            self._shutdown(self.clock())
 
     def _start_watching(self) -> None:
         d = self.config.defaults
@@ -408,7 +437,10 @@ class Daemon:
         for warning in new.warnings:
             log.warning("%s", warning)
         watch_changed = new.defaults.watch_opens != self.config.defaults.watch_opens
+        sentinel_changed = _sentinel_rule(new) != _sentinel_rule(self.config)
         self.config = new
+        if sentinel_changed:
+            self._set_sentinel()
         if watch_changed:
             self.opens.stop(self.loop.remove_reader)
             self._start_watching()
@@ -439,3 +471,9 @@ class Daemon:
         self.opens.stop(self.loop.remove_reader)
         self.observer.backend.close()
         self.loop.close()
+
+
+def _sentinel_rule(config: Config) -> tuple:
+    """What the [sentinel] listener is made from (not where in the file it is written)."""
+    s = config.sentinel
+    return (s and dataclasses.replace(s, line=0), config.defaults.interval_seconds)

@@ -134,6 +134,7 @@ class Supervisor:
         self.exits: List[Exited] = []
         self.draining: List[str] = []  # cgroups of ended workloads that still have processes in them
         self.own_pid = os.getpid()
+        self.helpers: Dict[int, subprocess.Popen] = {}  # our own short jobs (the sentinel's action)
 
     def contain_in(self, tree: Optional[cgroups.CgroupTree]) -> None:
         """Give each workload started from now on a cgroup under `tree` (None: the subreaper only)."""
@@ -403,18 +404,28 @@ class Supervisor:
             self.on_output(w)
         return None
 
+    def spawn_helper(self, argv: List[str], env: Dict[str, str]) -> subprocess.Popen:
+        """Start one of gpu-mon's own commands (not a workload): never reaped or swept as an orphan here,
+        so whoever waits for it gets its status. Call from the loop's thread. OSError if it cannot run."""
+        self.helpers = {pid: p for pid, p in self.helpers.items() if p.returncode is None}
+        popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd="/"
+        )
+        self.helpers[popen.pid] = popen
+        return popen
+
     def sweep_orphans(self) -> None:
         """Kill and reap our descendants that no live leader owns: remnants of a killed leader.
 
         We are a child subreaper (daemon.py), so they were reparented to us; only our own descendants can be.
         """
-        leaders = {w.pid for w in self.workloads.values()}
+        leaders = {w.pid for w in self.workloads.values()} | set(self.helpers)
         linux.kill_until_gone(self.own_pid, skip=leaders)
         self.reap_orphans()
 
     def reap_orphans(self) -> None:
         """Reap exited children that are not leaders (never a leader: those are reaped in on_exit)."""
-        leaders = {w.pid for w in self.workloads.values()}
+        leaders = {w.pid for w in self.workloads.values()} | set(self.helpers)
         for pid in procfs.children(self.own_pid):
             if pid in leaders:
                 continue
