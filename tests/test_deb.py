@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSION = gpu_mon.__version__
 DEB = ROOT / "dist" / f"gpu-mon_{VERSION}_all.deb"
 UNIT_PATH = "/lib/systemd/system/gpu-mon.service"
+SENTINEL_UNIT_PATH = "/lib/systemd/system/gpu-mon-sentinel.service"
 ENABLE_LINK = Path("/etc/systemd/system/multi-user.target.wants/gpu-mon.service")
 # The installed gpu-mon runs with the system's python3, not the test's virtualenv.
 SYSTEM_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -131,6 +132,7 @@ def test_files_and_modes(members: Dict[str, Tuple[tarfile.TarInfo, bytes]]) -> N
 def test_installed_files_are_the_sources(members: Dict[str, Tuple[tarfile.TarInfo, bytes]]) -> None:
     assert members["/etc/gpu_mon.conf"][1] == (ROOT / "conf" / "gpu_mon.conf").read_bytes()
     assert members[UNIT_PATH][1] == (ROOT / "systemd" / "gpu-mon.service").read_bytes()
+    assert members[SENTINEL_UNIT_PATH][1] == (ROOT / "systemd" / "gpu-mon-sentinel.service").read_bytes()
     # The unit's Documentation= points here: not compressed.
     assert members["/usr/share/doc/gpu-mon/README.md"][1] == (ROOT / "README.md").read_bytes()
     for module in sorted((ROOT / "gpu_mon").glob("*.py")):
@@ -228,6 +230,8 @@ def test_installed_config_checks_ok(installed: str) -> None:
 def test_installed_unit_is_enabled_not_started(installed: str) -> None:
     assert ENABLE_LINK.is_symlink(), f"{ENABLE_LINK} missing: the unit was not enabled"
     assert os.readlink(ENABLE_LINK) == UNIT_PATH
+    assert Path(SENTINEL_UNIT_PATH).is_file()
+    assert not ENABLE_LINK.with_name("gpu-mon-sentinel.service").exists(), "the sentinel must not be enabled"
     assert "not started" in installed, installed
     if os.path.isdir("/run/systemd/system"):
         state = _run(["systemctl", "is-active", "gpu-mon.service"]).stdout.strip()

@@ -222,3 +222,27 @@ def test_file_system_protection() -> None:
     assert _one(s, "SystemCallArchitectures") == "native"
     # The one exception: workloads get cgroups of their own in the delegated subtree (containment).
     assert _one(s, "Delegate") == "yes" and _one(s, "ProtectControlGroups") == "no"
+
+
+# ------------------------------------------------------------------------------------ the sentinel unit
+
+SENTINEL_UNIT = ROOT / "systemd" / "gpu-mon-sentinel.service"
+
+
+def test_sentinel_unit_verifies_and_is_tightly_sandboxed(tmp_path: Path) -> None:
+    text = SENTINEL_UNIT.read_text(encoding="utf-8")
+    start = "ExecStart=/usr/bin/gpu-mon sentinel $GPU_MON_SENTINEL_OPTS\n"
+    assert text.count(start) == 1
+    unit = tmp_path / "gpu-mon-sentinel.service"
+    unit.write_text(
+        text.replace(start, f"ExecStart={_gpu_mon_executable()} sentinel $GPU_MON_SENTINEL_OPTS\n")
+    )
+    result = _run([_systemd_analyze(), "verify", str(unit)], cwd=tmp_path)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 0 and not output, (
+        f"systemd-analyze verify (rc {result.returncode}):\n{output}"
+    )
+    result = _run([_systemd_analyze(), "security", "--offline=true", "--no-pager", str(unit)], cwd=tmp_path)
+    m = re.search(r"Overall exposure level for gpu-mon-sentinel\.service:\s*(\d+(?:\.\d+)?)", result.stdout)
+    assert m and float(m.group(1)) <= MAX_EXPOSURE, result.stdout + result.stderr
+    assert "RestartPreventExitStatus=2" in text and "[Install]" in text
