@@ -306,3 +306,14 @@ def test_daemon_sentinel_end_process_stops_the_daemon(tmp_path: Path, sim, daemo
     assert d.proc.wait(20) == 0
     assert "sentinel: stopping gpu-mon (kill_action = end_process)" in d.log()
     assert not pid_alive(pid)
+
+
+def test_check_reports_a_sentinel_gpu_that_is_not_there(tmp_path: Path, sim):
+    from conftest import write_config
+
+    conf = write_config(tmp_path / "c.conf", "[gpu-all]\ngpus = ALL\n\n[sentinel]\ngpus = 0, 5\n")
+    r = subprocess.run(
+        [*GPU_MON, "--config", str(conf), "--sim", str(sim.path), "check"], capture_output=True, text=True
+    )
+    assert r.returncode == 2
+    assert f"{conf}:4: [sentinel] gpus: no GPU with index 5 (this host has 2)" in r.stderr

@@ -28,11 +28,17 @@ def select(reading: GpuReading, refs: Optional[Sequence[GpuRef]]) -> List[Gpu]:
         return list(reading.gpus)
     out = []
     for ref in refs:
-        found = [g for g in reading.gpus if (g.uuid == ref if isinstance(ref, str) else g.index == ref)]
+        found = [g for g in reading.gpus if _named(g, ref)]
         if not found:
             raise GpuUsageError(f"no GPU {ref!r} (this host has {len(reading.gpus)}: indices from 0)")
         out.append(found[0])
     return out
+
+
+def _named(gpu: Gpu, ref: GpuRef) -> bool:
+    if isinstance(ref, str):
+        return (gpu.uuid or "").lower() == ref.lower()  # NVML spells UUIDs in lower case
+    return gpu.index == ref
 
 
 def device_usage(gpu: Gpu) -> Optional[float]:

@@ -108,6 +108,10 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
             instances.extend(Instance(key=f"{proc.name}@{u}", process=proc.name, gpus=(u,)) for u in uuids)
         else:
             instances.append(Instance(key=proc.name, process=proc.name, gpus=tuple(uuids)))
+    if config.sentinel is not None:  # its GPUs need not be watched, only there
+        _resolve_refs(
+            config.sentinel.gpus, gpus, everything, f"{config.sentinel.line}: [sentinel] gpus", problems
+        )
     index_of = {g.uuid: g.index for g in gpus if g.uuid}
     return Plan(rules=rules, instances=tuple(instances), index_of=index_of, problems=tuple(problems))
 
