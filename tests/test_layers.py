@@ -57,6 +57,9 @@ def test_a_plain_user_takes_a_look_through_the_library(public_dir):
         "snap = look(SimBackend(sys.argv[1], create_devices=False))\n"
         "f = open(snap.reading.gpus[0].device)\n"
         "print(len(snap.reading.gpus), snap.reading.error, bool(snap.denied))\n"
+        "from gpu_mon import Sentinel, get_gpu_usage\n"  # seed 001's API, $GPU_MON_SIM as the backend
+        "s = Sentinel(1, 0.5, 1, 0.1, kill_fn=lambda: print('fired'))\n"
+        "for u in (0.9, get_gpu_usage()): s.tick(u)\n"
     )
     r = subprocess.run(
         ["/usr/bin/python3", "-c", code, str(sim.path)],
@@ -66,11 +69,12 @@ def test_a_plain_user_takes_a_look_through_the_library(public_dir):
         group=65534,
         extra_groups=[],
         cwd="/",
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir), "GPU_MON_SIM": str(sim.path)},
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # a library prints nothing of its own
-    assert r.stdout.split() == ["2", "None", "True"]  # root's processes: unreadable to nobody, and said so
+    # root's processes: unreadable to nobody, and said so; the idle GPUs (0%) fire the armed sentinel
+    assert r.stdout.split() == ["2", "None", "True", "fired"]
 
 
 def test_decide_is_pure():
