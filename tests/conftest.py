@@ -172,9 +172,11 @@ class Daemon:
         defaults: Optional[Dict[str, object]] = None,
         env: Optional[Dict[str, str]] = None,
         args: Tuple[str, ...] = (),
+        cwd: Optional[str] = None,
     ):
         self.tmp = tmp_path
         self.args = args
+        self.cwd = cwd or str(tmp_path)
         self.sim = sim
         self.state_path = tmp_path / "state.json"
         self.config_path = tmp_path / "gpu_mon.conf"
@@ -211,7 +213,7 @@ class Daemon:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
-            cwd=str(self.tmp),
+            cwd=self.cwd,
             start_new_session=True,
         )
         return self
@@ -310,8 +312,9 @@ def daemon_factory(tmp_path: Path, sim: SimHost):
         env: Optional[Dict[str, str]] = None,
         start: bool = True,
         args: Tuple[str, ...] = (),
+        cwd: Optional[str] = None,
     ) -> Daemon:
-        d = Daemon(tmp_path, sim, body, defaults, env, args)
+        d = Daemon(tmp_path, sim, body, defaults, env, args, cwd)
         made.append(d)
         return d.start() if start else d
 

@@ -433,3 +433,12 @@ def test_exited_workload_still_listed_by_nvml_stays_ours(tmp_path, sim, daemon_f
     )
     assert "not visible here" not in d.log() and "used by others" not in d.log()
     assert d.state()["gpus"][0]["busy"] is False
+
+
+def test_workloads_start_when_the_daemon_runs_in_the_root_directory(tmp_path: Path, daemon_factory):
+    # systemd starts the daemon in /. The leader's interpreter once found its standard library from a bare
+    # argv[0] relative to the working directory: from / a pyenv or venv Python loaded /lib/python3.X
+    # (another build's) and every leader died at import.
+    d = daemon_factory(miner(tmp_path), cwd="/")
+    pid = d.wait_running("miner")
+    assert started(tmp_path, pid)["env"]["CUDA_VISIBLE_DEVICES"] == UUIDS[0]

@@ -492,9 +492,11 @@ def _output(log_path: Optional[str]) -> Tuple[Optional[int], int]:
 
 def _spawn_leader(label: str, stdout: int, stderr: int, pass_fds: Tuple[int, ...]) -> subprocess.Popen:
     """The leader process, in its own session, with nothing of ours but the fds it needs."""
+    # argv[0] is the interpreter's real path, the label a trailing argument (for `ps`): Python finds its
+    # standard library from argv[0], and with a bare name and the working directory / (systemd's) a
+    # pyenv or venv Python found /lib/python3.X, another build's, and the leader died at import.
     return subprocess.Popen(
-        [f"gpu-mon-leader[{label}]", "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT)],
-        executable=sys.executable,
+        [sys.executable, "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT), f"gpu-mon-leader[{label}]"],
         stdin=subprocess.PIPE,
         stdout=stdout,
         stderr=stderr,
