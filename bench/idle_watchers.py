@@ -7,6 +7,7 @@ N background processes (~10 open fds each) fill /proc. On a simulated host (2 GP
 utilization given for the watched command) we run, one after the other, each for --seconds:
   - `gpu-mon watch -s 1 -n 100000 -- CMD`, CMD holding GPU 0 (it never ends by idleness here);
   - `gpu-mon sentinel --interval 1` (it never arms: the GPUs stay at 0%);
+  - `gpu-mon occupy on` while it waits (another user's memory on the GPU; looks every 3 s, the default);
   - baseline: the same watch loop done the obvious way, one complete look at the host per sample
     (`gpu_mon.api.observe.look()`: every process's fds scanned), in a child process.
 CPU is user+system time of the measuring process and its leader (for watch), from /proc, divided by the
@@ -77,6 +78,31 @@ def measure(argv: List[str], seconds: float, warmup: float = 3.0) -> float:
         p.wait(30)
 
 
+def measure_pid(pid: int, seconds: float, warmup: float = 3.0) -> float:
+    """% of one core used by a process that is not our child."""
+    time.sleep(warmup)
+    before = cpu_seconds(pid)
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    return 100 * (cpu_seconds(pid) - before) / (time.monotonic() - t0)
+
+
+def measure_occupier(sim: Path, work: Path, seconds: float) -> float:
+    """The background occupier's CPU while it waits for GPUs that stay busy."""
+    doc = json.loads(sim.read_text())
+    busy = {"gpus": [{**g, "memory_used_mib": 30000} for g in doc["gpus"]]}
+    sim.write_text(json.dumps(busy))
+    env = {**os.environ, "GPU_MON_SIM": str(sim), "XDG_STATE_HOME": str(work / "state")}
+    occupy = [*GPU_MON, "occupy"]
+    subprocess.run([*occupy, "on", "--", "sleep", "1000"], env=env, check=True, capture_output=True)
+    try:
+        record = work / "state" / "gpu-mon" / "occupy" / "occupier.json"
+        return measure_pid(int(json.loads(record.read_text())["pid"]), seconds)
+    finally:
+        subprocess.run([*occupy, "off"], env=env, capture_output=True)
+        sim.write_text(json.dumps(doc))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=int, default=1000)
@@ -105,6 +131,7 @@ def main() -> int:
                 "gpu-mon sentinel --interval 1",
                 measure([*GPU_MON, "--sim", str(sim), "sentinel", "--interval", "1"], args.seconds),
             ),
+            ("gpu-mon occupy on, waiting (a look every 3 s)", measure_occupier(sim, work, args.seconds)),
             (
                 "baseline: a complete look per sample",
                 measure([sys.executable, "-c", BASELINE, str(sim)], args.seconds),

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, sentinel, stress, watch
+from gpu_mon.commands import base, occupy, sentinel, stress, watch
 from gpu_mon.commands.check import cmd_check
 from gpu_mon.commands.run import cmd_run
 from gpu_mon.commands.status import cmd_status
@@ -80,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p, top=False)
     watch.add_arguments(p)
+    p = sub.add_parser(
+        "occupy",
+        help="your own reservation: wait until GPUs are idle, then hold them (on, off, status)",
+        description="Wait until the GPUs are idle for a while, then hold their memory (and compute) in the "
+        "background until `occupy off`; with --yield, give them back whenever anyone else needs one. "
+        "No root, no config file. `occupy status` exits 3 when nothing runs.",
+    )
+    _add_common(p, top=False)
+    occupy.add_arguments(p, _add_common)
     return parser
 
 
@@ -102,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return stress.run(args)
         if args.command == "sentinel":
             return sentinel.cmd_sentinel(args)
+        if args.command == "occupy":
+            return occupy.cmd_occupy(args)
         if args.command == "watch":
             return watch.cmd_watch(args)
         if args.command == "check":

@@ -87,6 +87,10 @@ class GpuSection:
     busy_memory_mib: int = 1024
     holder_grace_seconds: Optional[float] = None
     line: int = 0
+    # Not in the INI file (`gpu-mon occupy` only): processes whose open files cannot be read do not make
+    # the GPU busy. A plain user cannot read other users' processes; memory used and NVML's process list
+    # still show what they do on the GPU.
+    unreadable_is_busy: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,10 @@ class ProcessSection:
     per_gpu: bool = False
     line: int = 0
     fingerprint: Tuple[Tuple[str, str], ...] = ()  # the raw keys and values: a reload restarts on change
+    # Not in the INI file (`gpu-mon occupy` only). together: per_gpu copies start only when all the
+    # section's GPUs are free, and all stop when any is busy. hold: never stop for a busy GPU.
+    together: bool = False
+    hold: bool = False
 
 
 @dataclass(frozen=True)

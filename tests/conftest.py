@@ -102,6 +102,12 @@ def marked(marker: str) -> List[int]:
     return out
 
 
+def foreign_opener_cmd(path: str) -> List[str]:
+    """A process that is not ours opening a GPU node, saying `open`, and keeping it (like a CUDA program)."""
+    code = "import sys, time; f = open(sys.argv[1]); print('open', flush=True); time.sleep(600)"
+    return [WORKLOAD_PYTHON, "-c", code, path]
+
+
 class SimHost:
     """A simulated host: the JSON file the daemon re-reads each look, and the device stand-in files."""
 

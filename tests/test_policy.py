@@ -394,3 +394,48 @@ def test_resolve_uuids_case_insensitively():
     c = cfg.parse(f"[gpu-a]\ngpus = {U1.upper()}\n", "/t.conf")
     plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
     assert plan.problems == () and list(plan.rules) == [U1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `gpu-mon occupy`'s sections: together, hold, unreadable processes not busy
+
+
+def occupy_config(hold: bool, together: bool = True) -> cfg.Config:
+    base = config()
+    proc = dataclasses.replace(base.processes[0], per_gpu=True, together=together, hold=hold)
+    rules = dataclasses.replace(base.gpu_sections[0], unreadable_is_busy=False)
+    return dataclasses.replace(base, processes=(proc,), gpu_sections=(rules,))
+
+
+def test_together_copies_start_only_when_every_gpu_was_free_for_the_delay():
+    c = occupy_config(hold=False)
+    plan = policy.resolve(c, snap().reading.gpus)
+    s1 = policy.decide(c, plan, snap(now=100.0, holders=(holder(42, gpus=(U1,)),)), PolicyState())
+    assert s1.actions == ()  # GPU 1 busy: neither copy starts, GPU 0's copy waits for it
+    assert s1.waiting[f"m@{U0}"].kind == "busy" and s1.waiting[f"m@{U0}"].gpu == U1
+    s2 = policy.decide(c, plan, snap(now=105.0), s1.state)  # GPU 1 free from 105: the timer restarted
+    assert s2.actions == () and s2.next_wake == 115.0
+    s3 = policy.decide(c, plan, snap(now=115.0), s2.state)
+    assert sorted(a.instance.key for a in s3.actions) == [f"m@{U0}", f"m@{U1}"]
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_together_copies_yield_together_unless_they_hold(hold):
+    c = occupy_config(hold=hold)
+    plan = policy.resolve(c, snap().reading.gpus)
+    running = (Running(f"m@{U0}", 7, 0.0), Running(f"m@{U1}", 8, 0.0))
+    d = policy.decide(c, plan, snap(holders=(holder(42, gpus=(U1,)),), running=running), PolicyState())
+    stopped = sorted(a.key for a in d.actions if isinstance(a, Stop))
+    assert stopped == ([] if hold else [f"m@{U0}", f"m@{U1}"])
+
+
+def test_unreadable_processes_do_not_make_an_occupy_gpu_busy():
+    c = occupy_config(hold=False)
+    plan = policy.resolve(c, snap().reading.gpus)
+    hidden = snap(denied=(Denied(pid=9, user="bob", name="python3"),))
+    assert not policy.decide(c, plan, hidden, PolicyState()).verdicts[U0].busy
+    assert (
+        policy.decide(config(), policy.resolve(config(), hidden.reading.gpus), hidden, PolicyState())
+        .verdicts[U0]
+        .busy
+    )  # the daemon's sections: unsure means busy

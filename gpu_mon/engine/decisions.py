@@ -15,6 +15,13 @@ class Instance:
     key: str  # "miner", or "miner@GPU-5a1c..." for per_gpu
     process: str  # section name without the "process-" prefix
     gpus: Tuple[str, ...]  # UUIDs, in config order
+    # GPUs that must all be free for it to start, any busy one stopping it (default: its own `gpus`)
+    group: Tuple[str, ...] = ()
+
+    @property
+    def needs(self) -> Tuple[str, ...]:
+        """The GPUs whose state decides whether it may run."""
+        return self.group or self.gpus
 
     def label(self, index_of: Optional[dict] = None) -> str:
         """`miner` or `miner@0` (GPU index when known)."""

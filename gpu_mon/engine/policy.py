@@ -105,7 +105,10 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
                 problems.append(f"{what}: names no watched GPU; [process-{proc.name}] will never start")
             continue
         if proc.per_gpu:
-            instances.extend(Instance(key=f"{proc.name}@{u}", process=proc.name, gpus=(u,)) for u in uuids)
+            group = tuple(uuids) if proc.together else ()
+            instances.extend(
+                Instance(key=f"{proc.name}@{u}", process=proc.name, gpus=(u,), group=group) for u in uuids
+            )
         else:
             instances.append(Instance(key=proc.name, process=proc.name, gpus=tuple(uuids)))
     if config.sentinel is not None:  # its GPUs need not be watched, only there
@@ -145,7 +148,7 @@ def _unsure(uuid: str, snap: Snapshot, rules: GpuSection) -> List[Reason]:
     node_error = dict(snap.node_errors).get(uuid)
     if node_error:
         reasons.append(Reason(Busy.NODE, detail=node_error))
-    hidden = [d for d in snap.denied if not ignored_name(d.name, d.user, rules)]
+    hidden = [d for d in snap.denied if rules.unreadable_is_busy and not ignored_name(d.name, d.user, rules)]
     if hidden:
         first = hidden[0]
         reasons.append(Reason(Busy.HIDDEN, who=Who(first.user, first.name, first.pid), count=len(hidden)))
@@ -302,6 +305,7 @@ class _Round:
         self.waits: Dict[str, Wait] = {}
         self.wakes: List[float] = []
         self.claimed: Dict[str, str] = {}
+        self.sections = processes_by_name(config)
 
     def plan_instances(self, plan: Plan) -> List[object]:
         """Stops for running instances that must yield, starts for waiting ones that may run."""
@@ -311,7 +315,7 @@ class _Round:
                     self.claimed.setdefault(uuid, inst.key)
         actions: List[object] = []
         for inst in plan.instances:
-            busy = [u for u in inst.gpus if self.verdicts[u].busy]
+            busy = [u for u in inst.needs if self.verdicts[u].busy]
             r = self.running.get(inst.key)
             action = self._running(inst, r, busy) if r is not None else self._waiting(inst, busy)
             if action is not None:
@@ -324,9 +328,14 @@ class _Round:
             return None
         if self.paused_by:
             return Stop(inst.key, "terminal", terminal=self.paused_by[0])
-        if busy:
+        if busy and not self.holds(inst):
             return Stop(inst.key, "gpu_busy", busy=tuple((u, self.verdicts[u].reasons[0]) for u in busy))
         return None
+
+    def holds(self, inst: Instance) -> bool:
+        """Whether its section never yields a busy GPU (`gpu-mon occupy` without --yield)."""
+        section = self.sections.get(inst.process)
+        return bool(section and section.hold)
 
     def _waiting(self, inst: Instance, busy: List[str]) -> Optional[Start]:
         wait = self._why_not_start(inst, busy)
@@ -348,7 +357,7 @@ class _Round:
         taken = [u for u in inst.gpus if u in self.claimed and self.claimed[u] != inst.key]
         if taken:
             return Wait("taken", gpu=taken[0], by=self.claimed[taken[0]])
-        since = [self.verdicts[u].free_since for u in inst.gpus]
+        since = [self.verdicts[u].free_since for u in inst.needs]
         ready_at = max(self.now if s is None else s for s in since) + self.config.defaults.start_delay_seconds
         b = self.backoff.get(inst.key)
         if b is not None and b.not_before > ready_at and b.not_before > self.now:

@@ -1,0 +1,299 @@
+"""`gpu-mon occupy on|off|status` (seed 004) on simulated GPUs, with real processes, as root and as nobody.
+
+The occupier is the daemon on an in-memory config; CMD mode with a stand-in command is used here (the
+stressor needs a GPU; the daemon runs it the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+from conftest import GPU_MON, ROOT, SimHost, foreign_opener_cmd, marked, pid_alive, wait_for
+
+FAST = ["--wait-minutes", "0.02", "--refresh-minutes", "0.002"]  # 1.2 s of free GPUs, a look every 0.12 s
+
+
+class Occupy:
+    """`gpu-mon occupy` for one user's state directory and one simulated host."""
+
+    def __init__(self, sim: SimHost, state_home: Path):
+        self.sim, self.state_home = sim, state_home
+        self.env = {k: v for k, v in os.environ.items() if k not in ("GPU_MON_SIM", "XDG_STATE_HOME")}
+        self.env.update(GPU_MON_SIM=str(sim.path), XDG_STATE_HOME=str(state_home))
+        self.dir = state_home / "gpu-mon" / "occupy"
+
+    def __call__(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*GPU_MON, "occupy", *args], capture_output=True, text=True, env=self.env, timeout=timeout
+        )
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*GPU_MON, "occupy", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
+
+    def status(self) -> Dict[str, object]:
+        r = self("status", "--json")
+        return json.loads(r.stdout)
+
+    def wait_state(self, state: str, timeout: float = 30) -> Dict[str, object]:
+        return wait_for(lambda: (s := self.status())["state"] == state and s, timeout, f"state {state}")  # type: ignore[return-value]
+
+    def log(self) -> str:
+        try:
+            return (self.dir / "occupy.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def pid(self) -> int:
+        return int(json.loads((self.dir / "occupier.json").read_text())["pid"])
+
+
+@pytest.fixture
+def occ(sim, tmp_path):
+    o = Occupy(sim, tmp_path / "state")
+    markers: List[str] = []
+    o.markers = markers  # type: ignore[attr-defined]
+    yield o
+    o("off", "--timeout", "10")
+    for m in markers:
+        for pid in marked(m):
+            os.kill(pid, signal.SIGKILL)
+
+
+def stand_in(occ: Occupy, out: Path) -> List[str]:
+    """A CMD that records its GPUs and holds them (with a child that left its session), marked for cleanup."""
+    m = f"gmo-{uuid.uuid4().hex}"
+    occ.markers.append(m)  # type: ignore[attr-defined]
+    code = (
+        "import os, sys, time\n"
+        f"open({str(out)!r}, 'a').write(os.environ.get('CUDA_VISIBLE_DEVICES', '') + '\\n')\n"
+        "if os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n"
+        "time.sleep(600)\n"
+    )
+    return ["--", sys.executable, "-c", code, m]
+
+
+def test_waits_while_memory_is_above_the_threshold_and_a_blip_restarts_the_timer(occ, sim, tmp_path):
+    sim.set(1, memory_used_mib=2000)  # someone else's 2 GB on GPU 1 (threshold: 1 GiB)
+    out = tmp_path / "gpus"
+    r = occ("on", *FAST, *stand_in(occ, out))
+    assert r.returncode == 0, r.stderr
+    assert "started (pid" in r.stdout and "occupy.log" in r.stdout
+    s = occ.wait_state("waiting")
+    wait_for(lambda: any("2000 MiB" in b for b in occ.status()["blocked_by"]), what="blocked by memory")
+    sim.set(1, memory_used_mib=0)
+    wait_for(lambda: any("start delay" in b for b in occ.status()["blocked_by"]), what="the wait running")
+    sim.set(1, memory_used_mib=1500)  # a blip: the timer starts over
+    wait_for(lambda: any("1500 MiB" in b for b in occ.status()["blocked_by"]), what="blocked again")
+    freed = time.time()
+    sim.set(1, memory_used_mib=0)
+    s = occ.wait_state("occupying")
+    assert s["mode"] == "hold" and s["gpus"] == [sim.uuid(0), sim.uuid(1)]
+    started = re.search(
+        r"(\d\d:\d\d:\d\d\.\d+) gpu-mon\[\d+\] INFO .* free for \d+ s; starting occupy", occ.log()
+    )
+    assert started, occ.log()
+    day = time.strftime("%Y-%m-%d", time.localtime(freed))
+    at = time.mktime(time.strptime(f"{day} {started.group(1)[:8]}", "%Y-%m-%d %H:%M:%S"))
+    assert at + 1 >= freed + 1.2  # (log times are cut to the second) the whole wait after the blip
+    wait_for(lambda: out.exists() and out.read_text(), what="CMD ran")
+    assert out.read_text().split() == [f"{sim.uuid(0)},{sim.uuid(1)}"]
+
+
+def test_cmd_gets_exactly_the_gpus_asked_for(occ, sim, tmp_path):
+    out = tmp_path / "gpus"
+    assert occ("on", "--gpus", "1", *FAST, *stand_in(occ, out)).returncode == 0
+    wait_for(lambda: out.exists() and out.read_text(), what="CMD ran")
+    assert out.read_text().split() == [sim.uuid(1)]
+    assert occ.status()["gpus"] == [sim.uuid(1)]
+
+
+@pytest.mark.parametrize("when", ["waiting", "occupying"])
+def test_off_leaves_nothing(occ, sim, tmp_path, when):
+    if when == "waiting":
+        sim.set(0, memory_used_mib=5000)
+    out = tmp_path / "gpus"
+    assert occ("on", *FAST, *stand_in(occ, out)).returncode == 0
+    occ.wait_state(when)
+    marker = occ.markers[0]  # type: ignore[attr-defined]
+    if when == "occupying":
+        wait_for(lambda: len(marked(marker)) >= 2, what="CMD and its escaped child")
+    pid = occ.pid()
+    r = occ("off")
+    assert r.returncode == 0 and f"stopped (pid {pid})" in r.stdout
+    assert not pid_alive(pid) and marked(marker) == []
+    s = occ("status")
+    assert s.returncode == 3 and s.stdout.startswith("gpu-mon occupy: stopped")
+    assert not (occ.dir / "occupier.json").exists()
+
+
+def test_a_stale_record_is_never_signalled(occ, tmp_path):
+    occ.dir.mkdir(parents=True, mode=0o700)
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        st = Path(f"/proc/{bystander.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        # The pid of an unrelated process, with its own start time even: it does not hold the lock.
+        for start in (int(st[19]), 12345):
+            (occ.dir / "occupier.json").write_text(json.dumps({"pid": bystander.pid, "start_ticks": start}))
+            r = occ("off")
+            assert r.returncode == 0 and "stale record" in r.stdout and "nothing signalled" in r.stdout
+            assert bystander.poll() is None and not (occ.dir / "occupier.json").exists()
+        assert occ("status").returncode == 3
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_two_racing_on_exactly_one_runs(occ, sim, tmp_path):
+    out = tmp_path / "gpus"
+    cmd = stand_in(occ, out)
+    first, second = occ.popen("on", *FAST, *cmd), occ.popen("on", *FAST, *cmd)
+    codes = sorted(p.wait(60) for p in (first, second))
+    assert codes == [0, 1]
+    loser = first if first.returncode == 1 else second
+    assert "already running" in loser.stderr.read()  # type: ignore[union-attr]
+    occ.wait_state("occupying")
+    serving = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _is_serve(p, occ)]
+    assert serving == [occ.pid()]
+
+
+def _is_serve(pid: int, occ: Occupy) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return b"serve" in argv and b"occupy" in argv and str(occ.state_home).encode() in env
+
+
+def test_yield_releases_on_a_foreign_open_and_takes_the_gpus_back(occ, sim, tmp_path):
+    out = tmp_path / "gpus"
+    assert occ("on", "--yield", *FAST, *stand_in(occ, out)).returncode == 0
+    s = occ.wait_state("occupying")
+    assert s["mode"] == "yield"
+    marker = occ.markers[0]  # type: ignore[attr-defined]
+    wait_for(lambda: len(marked(marker)) >= 2, what="CMD and its escaped child")
+    foreign = subprocess.Popen(
+        foreign_opener_cmd(sim.device(1)), stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert foreign.stdout is not None and foreign.stdout.readline().strip() == b"open"
+        wait_for(lambda: marked(marker) == [], timeout=10, what="every process of CMD gone")
+        m = re.search(r"occupy\[\d+\] stopped in (\d+) ms \(SIGTERM\)", occ.log())
+        assert m and int(m.group(1)) < 2000, occ.log()
+        assert occ.wait_state("yielded")["state"] == "yielded"
+    finally:
+        foreign.kill()
+        foreign.wait()
+    occ.wait_state("occupying")
+    assert out.read_text().count("\n") == 2  # taken back after the wait
+
+
+def test_hold_mode_keeps_the_gpus_when_someone_else_opens_one(occ, sim, tmp_path):
+    out = tmp_path / "gpus"
+    assert occ("on", *FAST, *stand_in(occ, out)).returncode == 0
+    occ.wait_state("occupying")
+    foreign = subprocess.Popen(
+        foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert foreign.stdout is not None and foreign.stdout.readline().strip() == b"open"
+        wait_for(lambda: "busy" in occ.log(), what="the daemon noticing the foreign opener")
+        assert occ.status()["state"] == "occupying" and "stopping occupy" not in occ.log()
+    finally:
+        foreign.kill()
+        foreign.wait()
+
+
+def test_status_json_and_exit_codes(occ, sim, tmp_path):
+    r = occ("status", "--json")
+    assert r.returncode == 3 and json.loads(r.stdout)["state"] == "stopped"
+    sim.set(0, memory_used_mib=9000)
+    assert occ("on", *FAST, *stand_in(occ, tmp_path / "gpus")).returncode == 0
+    s = occ.wait_state("waiting")
+    assert {"state", "pid", "gpus", "mode", "since"} <= set(s)
+    assert s["pid"] == occ.pid() and s["since"] and s["gpus"] == [sim.uuid(0), sim.uuid(1)]
+    assert occ("status").returncode == 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--gpus", "x"], "'x' is not a GPU index or UUID"),
+        (["--gpus", "7"], "no GPU 7"),
+        (["--memory", "-5"], "--memory"),
+        (["--wait-minutes", "-1"], "--wait-minutes must be 0 or more"),
+        (["--refresh_minutes", "0"], "--refresh-minutes must be greater than 0"),
+        (["--compute-min", "0"], "use --no-compute"),
+    ],
+)
+def test_bad_options_exit_2(occ, options, message):
+    r = occ("on", *options)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and occ("status").returncode == 3
+
+
+def test_works_as_a_plain_user(public_dir):
+    """nobody, with the package readable by it and the system interpreter: on, status, off."""
+    sim = SimHost(public_dir, 2)
+    code_dir = public_dir / "code"
+    shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    home = public_dir / "home"
+    home.mkdir()
+    for path in (
+        public_dir / "dev",
+        sim.path,
+        *(public_dir / "dev").iterdir(),
+        code_dir,
+        *code_dir.rglob("*"),
+    ):
+        os.chmod(path, 0o755)
+    os.chown(home, 65534, 65534)
+    out = public_dir / "gpus"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(code_dir),
+        "HOME": str(home),
+        "GPU_MON_SIM": str(sim.path),
+    }
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["/usr/bin/python3", "-m", "gpu_mon", "occupy", *args],
+            capture_output=True,
+            text=True,
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            cwd=str(home),
+            env=env,
+            timeout=60,
+        )
+
+    code = f"import os, time; open({str(out)!r}, 'w').write(str(os.getuid())); time.sleep(600)"
+    try:
+        r = run("on", *FAST, "--", "/usr/bin/python3", "-c", code)
+        assert r.returncode == 0, r.stderr
+        assert (home / ".local" / "state" / "gpu-mon" / "occupy").stat().st_mode & 0o777 == 0o700
+        wait_for(lambda: out.exists() and out.read_text() == "65534", what="CMD running as nobody")
+        assert json.loads(run("status", "--json").stdout)["state"] == "occupying"
+    finally:
+        r = run("off")
+    assert r.returncode == 0 and "stopped" in r.stdout
+    assert run("status").returncode == 3
