@@ -95,6 +95,8 @@ def spec_from(args: argparse.Namespace) -> OccupySpec:
     if not args.no_compute and args.compute_min == 0:
         raise base.CliError("occupy: --compute-min 0 computes nothing: use --no-compute for memory only")
     argv = list(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
+    config = base.load_config(args, required=False) if args.config else None  # only when named
+    sections = config.gpu_sections if config else ()
     return OccupySpec(
         gpus=_gpu_refs(args.gpus or []),
         memory=_memory(args.memory),
@@ -107,6 +109,8 @@ def spec_from(args: argparse.Namespace) -> OccupySpec:
         polite=args.polite,
         argv=argv,
         sim=base.sim_path(args),
+        ignore_programs=sorted({p for g in sections for p in g.ignore_programs}),
+        ignore_users=sorted({u for g in sections for u in g.ignore_users}),
         cwd=os.getcwd(),
         env=dict(os.environ),
     )

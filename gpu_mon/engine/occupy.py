@@ -38,6 +38,8 @@ class OccupySpec:
     polite: bool = False  # --yield
     argv: List[str] = field(default_factory=list)  # -- CMD; empty: the built-in stressor
     sim: Optional[str] = None
+    ignore_programs: List[str] = field(default_factory=list)  # from --config's [gpu-*] sections
+    ignore_users: List[str] = field(default_factory=list)
     cwd: str = "/"
     env: Dict[str, str] = field(default_factory=dict)
 
@@ -85,6 +87,8 @@ def config(spec: OccupySpec, state_dir: str) -> Config:
         name=NAME,
         gpus=selection,
         busy_memory_mib=int(spec.mem_threshold_gib * 1024),
+        ignore_programs=tuple(spec.ignore_programs),
+        ignore_users=tuple(spec.ignore_users),
         unreadable_is_busy=False,
     )
     return Config(
