@@ -314,3 +314,21 @@ def test_config_ignore_lists_apply_when_named(occ, sim, tmp_path):
     finally:
         mon.kill()
         mon.wait()
+
+
+def test_the_stressor_command_is_one_the_stressor_accepts(tmp_path):
+    from gpu_mon.cli import build_parser
+    from gpu_mon.commands.occupy import _memory
+    from gpu_mon.engine.occupy import OccupySpec, config
+
+    spec = OccupySpec(gpus=[1, 0], memory=_memory("20"), compute_min=15, sleep_min=10)
+    c = config(spec, str(tmp_path))
+    (p,) = c.processes
+    assert (p.per_gpu, p.together, p.hold, c.defaults.start_delay_seconds) == (True, True, True, 300.0)
+    assert c.gpu_sections[0].busy_memory_mib == 1024 and not c.gpu_sections[0].unreadable_is_busy
+    argv = list(p.cmd)
+    assert argv[1:4] == ["-m", "gpu_mon", "stress"]
+    args = build_parser().parse_args(argv[3:])  # every option is one `gpu-mon stress` has
+    assert (args.memory, float(args.compute_seconds), float(args.sleep_seconds)) == ("20GiB", 900.0, 600.0)
+    memory_only = config(OccupySpec(no_compute=True), str(tmp_path)).processes[0].cmd
+    assert build_parser().parse_args(list(memory_only[3:])).workload == "none"
