@@ -10,8 +10,9 @@ own handler, CLOCK_MONOTONIC is system-wide) and to the whole process group bein
 foreign process then closes the node and the workload restarts for the next trial.
 
 Modes, in the same run: gpu-mon as shipped (inotify IN_OPEN + incremental scan, polling every 2 s, a full
-scan every 60 s), the same at an earlier commit (--baseline REF, default the main before issue 9: the
-baseline measured side by side), and the seed tools' method (polling every 1 s with a full scan, no events).
+scan every 60 s, [history] recording), the same with history off, the same at an earlier commit
+(--baseline REF, default the main before issue 9: the baseline measured side by side), and the seed
+tools' method (polling every 1 s with a full scan, no events).
 Then each daemon's CPU use over --idle-seconds of quiet, with the workload running.
 """
 
@@ -76,7 +77,9 @@ def cpu_ticks(pid: int) -> int:
 class Run:
     """One daemon under test with its workload, simulated GPU and foreign opener."""
 
-    def __init__(self, work: Path, name: str, defaults: Dict[str, object], code: Path = ROOT):
+    def __init__(
+        self, work: Path, name: str, defaults: Dict[str, object], code: Path = ROOT, history: object = None
+    ):
         self.dir = work / name
         self.dir.mkdir()
         (self.dir / "dev").mkdir()
@@ -98,6 +101,10 @@ class Run:
             f"[gpu-all]\ngpus = ALL\n[process-bench]\nuser = root\n"
             f"cmd = {sys.executable} {self.dir / 'workload.py'} {self.report}\n"
         )
+        if history is not None:  # (a baseline older than [history] knows no such section)
+            conf += (
+                f"[history]\nenabled = {'yes' if history else 'no'}\npath = {self.dir / 'history.sqlite'}\n"
+            )
         cpath = self.dir / "gpu_mon.conf"
         cpath.write_text(conf)
         os.chmod(cpath, 0o600)
@@ -204,7 +211,10 @@ def main() -> int:
         print("run as root: the daemon must see every process", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="gpu-mon-preempt-"))
-    modes = [("gpu-mon as shipped (inotify + incremental scan, poll 2 s)", "events", {}, ROOT)]
+    modes = [
+        ("gpu-mon as shipped (inotify + incremental scan, poll 2 s; history on)", "events", {}, ROOT, True),
+        ("the same with history off", "nohistory", {}, ROOT, False),
+    ]
     if a.baseline:
         old = work / "baseline-code"
         old.mkdir()
@@ -212,13 +222,14 @@ def main() -> int:
             ["git", "-C", str(ROOT), "archive", a.baseline], capture_output=True, check=True
         )
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-        modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old))
+        modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old, None))
     modes += [
         (
             "seed-style polling (1 s, full scan, no events)",
             "polling",
             {"interval_seconds": 1, "watch_opens": "no", "full_scan_seconds": 1},
             ROOT,
+            False,
         ),
     ]
     print(f"starting {a.procs} background processes...", flush=True)
@@ -226,8 +237,8 @@ def main() -> int:
     rows = []
     try:
         nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
-        for label, name, defaults, code in modes:
-            run = Run(work, name, defaults, code)
+        for label, name, defaults, code, history in modes:
+            run = Run(work, name, defaults, code, history)
             try:
                 samples = []
                 for i in range(a.trials):

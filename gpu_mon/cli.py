@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, occupy, sentinel, stress, watch
+from gpu_mon.commands import base, occupy, report, sentinel, stress, watch
 from gpu_mon.commands.check import cmd_check
 from gpu_mon.commands.run import cmd_run
 from gpu_mon.commands.status import cmd_status
@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p, top=False)
     occupy.add_arguments(p, _add_common)
+    p = sub.add_parser(
+        "report",
+        help="what the history says: GPU-hours harvested, preemptions, yield latency, idle holders",
+        description="Read the daemon's [history] (read-only) and report on a period: a table, --json, or "
+        "--plot FILE. Exit 1 when there is no history yet.",
+    )
+    _add_common(p, top=False)
+    report.add_arguments(p)
     return parser
 
 
@@ -111,6 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return stress.run(args)
         if args.command == "sentinel":
             return sentinel.cmd_sentinel(args)
+        if args.command == "report":
+            return report.cmd_report(args)
         if args.command == "occupy":
             return occupy.cmd_occupy(args)
         if args.command == "watch":

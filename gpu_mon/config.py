@@ -86,6 +86,11 @@ class GpuSection:
     ignore_users: Tuple[str, ...] = ()
     busy_memory_mib: int = 1024
     holder_grace_seconds: Optional[float] = None
+    # A foreign process holding at least idle_holder_memory_mib at no more than idle_holder_utilization_pct
+    # for idle_holder_seconds is reported as an idle holder (never signalled).
+    idle_holder_seconds: float = 7200.0
+    idle_holder_memory_mib: int = 1024
+    idle_holder_utilization_pct: float = 1.0
     line: int = 0
     # Not in the INI file (`gpu-mon occupy` only): processes whose open files cannot be read do not make
     # the GPU busy. A plain user cannot read other users' processes; memory used and NVML's process list
@@ -129,6 +134,16 @@ class TtySection:
     devices: Tuple[str, ...] = DEFAULT_TTY_DEVICES
 
 
+@dataclass(frozen=True)
+class HistorySection:
+    """The [history] section: an embedded SQLite file of what happened (outputs/history.py)."""
+
+    enabled: bool = True
+    path: str = "/var/lib/gpu_mon/history.sqlite"
+    retention_days: float = 90.0
+    sample_seconds: float = 60.0
+
+
 KILL_ACTIONS = ("end_process", "shutdown", "reboot", "command")
 
 
@@ -160,6 +175,7 @@ class Config:
     processes: Tuple[ProcessSection, ...] = ()
     tty: TtySection = TtySection()
     sentinel: Optional[SentinelSection] = None  # off unless the section is written
+    history: HistorySection = HistorySection()
     warnings: Tuple[str, ...] = ()
 
 
@@ -528,6 +544,9 @@ def _gpu_section(sec: _Section, warn: List[str]) -> Optional[GpuSection]:
         "ignore_users": _names,
         "busy_memory_mib": _mib,
         "holder_grace_seconds": _optional(_seconds),
+        "idle_holder_seconds": _seconds,
+        "idle_holder_memory_mib": _mib,
+        "idle_holder_utilization_pct": _percent,
     }
     values = sec.parse(schema)
     if not sec.has("gpus"):
@@ -635,6 +654,27 @@ def fraction(value: str) -> float:
     return number
 
 
+def _percent(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a percentage from 0 to 100") from None
+    if not 0.0 <= number <= 100.0:
+        raise ValueError(f"{value!r} is not a percentage from 0 to 100")
+    return number
+
+
+def _history_section(sec: _Section, base: str) -> HistorySection:
+    schema: Dict[str, Callable[[str], object]] = {
+        "enabled": _bool,
+        "path": _path(base),
+        "retention_days": _at_least(1.0 / 24),
+        "sample_seconds": _at_least(1.0),
+    }
+    values = sec.parse(schema)
+    return HistorySection(**{k: v for k, (v, _) in values.items()})
+
+
 def _sentinel_section(sec: _Section) -> SentinelSection:
     schema: Dict[str, Callable[[str], object]] = {
         "arm_duration_seconds": _seconds,
@@ -661,12 +701,12 @@ def _sentinel_section(sec: _Section) -> SentinelSection:
     return found
 
 
-_KINDS = ("defaults", "tty", "sentinel", "gpu-NAME", "process-NAME")
+_KINDS = ("defaults", "tty", "sentinel", "history", "gpu-NAME", "process-NAME")
 
 
 def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
     name = raw.name
-    if name in ("defaults", "tty", "sentinel"):
+    if name in ("defaults", "tty", "sentinel", "history"):
         return name
     for prefix in ("gpu-", "process-"):
         if name.startswith(prefix):
@@ -680,7 +720,7 @@ def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
                 )
                 return None
             return prefix
-    known = ["defaults", "tty", "sentinel", "gpu-", "process-"]
+    known = ["defaults", "tty", "sentinel", "history", "gpu-", "process-"]
     near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.5)
     hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
     sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
@@ -701,6 +741,7 @@ def parse(text: str, path: str = "<config>") -> Config:
     base = os.path.dirname(os.path.abspath(path)) if not path.startswith("<") else os.getcwd()
     defaults, tty = Defaults(), TtySection()
     sentinel: Optional[SentinelSection] = None
+    history = HistorySection()
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
     bad_lines: Dict[int, str] = {}
@@ -713,6 +754,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             tty = _tty_section(sec, warnings)
         elif kind == "sentinel":
             sentinel = _sentinel_section(sec)
+        elif kind == "history":
+            history = _history_section(sec, base)
         elif kind == "gpu-":
             g = _gpu_section(sec, warnings)
             if g:
@@ -731,6 +774,7 @@ def parse(text: str, path: str = "<config>") -> Config:
         processes=tuple(processes),
         tty=tty,
         sentinel=sentinel,
+        history=history,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
     if errors:

@@ -209,6 +209,8 @@ class Daemon:
         values = dict(self.defaults)
         values.update(defaults or {})
         head = "[defaults]\n" + "".join(f"{k} = {v}\n" for k, v in values.items())
+        if "[history]" not in body:  # never the machine's /var/lib/gpu_mon
+            body += f"\n[history]\npath = {self.tmp / 'history.sqlite'}\n"
         write_config(self.config_path, head + body)
 
     def start(self) -> Daemon:

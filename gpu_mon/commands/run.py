@@ -23,6 +23,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     backend, source = base.backend(args, writes=True)
     trusted = trusted_uid_for_this_process()
     listeners = [StateFile(config.defaults.state_file), Notifier()]
+    if config.history.enabled:
+        from gpu_mon.outputs.history import History
+
+        listeners.append(History(config.history))
     daemon = Daemon(
         config, backend, trusted_uid=trusted, source="" if source == "NVML" else source, listeners=listeners
     )

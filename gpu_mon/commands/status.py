@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import time
 from typing import Dict, List, Optional
 
 from gpu_mon.api import procfs
@@ -71,5 +72,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         doc["other_daemons"] = other_daemons()
         if config is None:
             doc["config"] = f"{DEFAULT_PATH} (missing: showing the host only)"
-    print(json.dumps(doc, indent=2) if args.json else report.render(doc))
+    print(
+        json.dumps(report.with_idle_seconds(doc, time.time()), indent=2) if args.json else report.render(doc)
+    )
     return base.EXIT_FAILURE if doc.get("error") and not doc.get("daemon") else base.EXIT_OK

@@ -22,8 +22,8 @@ from gpu_mon.api.model import Snapshot
 from gpu_mon.api.observe import Backend, Observer
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
-from gpu_mon.engine import policy, words
-from gpu_mon.engine.decisions import Decision, PolicyState, Start, Stop
+from gpu_mon.engine import idleholders, policy, words
+from gpu_mon.engine.decisions import Decision, PolicyState, Preemption, Start, Stop
 from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.opens import OpenWatch
@@ -65,6 +65,10 @@ class Daemon:
         self.supervisor = Supervisor(self.loop.selector, config.defaults.stop_timeout_seconds)
         self.reloader = Reloader(self.loop.poke)
         self.idle: Optional[DaemonSentinel] = None
+        self.idle_track = idleholders.IdleTrack({}, {})
+        self.wake_at = 0.0  # when this wake of the loop began (yield latencies count from it)
+        self.wake_by_open = False
+        self.yielding: Dict[str, dict] = {}  # workload key -> the stop for a busy GPU under way
         self.signals_caught = False
         self.containment = ""
         self.state = PolicyState()
@@ -169,6 +173,7 @@ class Daemon:
         self.next_poll = now + self.config.defaults.interval_seconds
 
     def _handle(self, ready: List[tuple], now: float) -> None:
+        self.wake_at, self.wake_by_open = now, False
         exits = False
         for kind, name in ready:
             if kind == "inotify":
@@ -202,6 +207,7 @@ class Daemon:
         ran = False
         opened = self.opens.take()
         if opened:
+            self.wake_by_open = True
             self._on_open(opened, now)
             ran = True
         if now >= self.next_poll or self.full_scan_requested:
@@ -302,7 +308,7 @@ class Daemon:
             self._say(words.restarting(event), logging.WARNING if event.failing else logging.INFO)
         self._act(decision, plan, now)
         self.decision = decision
-        self._publish(plan, snap, decision)
+        self._publish(plan, snap, decision, self._yields_done(snap), self._idle_holders(plan, snap))
 
     def _look_again(
         self, plan: policy.Plan, snap: Snapshot, decision: Decision, now: float
@@ -330,9 +336,60 @@ class Daemon:
                 if w is not None:
                     why = words.stop(action, plan.index_of)
                     self.supervisor.stop(action.key, why, now)
+                    if action.busy:
+                        self._yield_started(action, w.label)
                     self._say(f"{why}; stopping {w.label}[{w.pid}]")
             elif isinstance(action, Start) and not self.stopping:
                 self._start(action, plan, now)
+
+    def _yield_started(self, stop: Stop, label: str) -> None:
+        uuid, reason = stop.busy[0]
+        self.yielding[stop.key] = {
+            "uuid": uuid,
+            "workload": label,
+            "who": words.reason(reason),
+            "by": "open" if self.wake_by_open else "poll",
+            "wake": self.wake_at,
+            "term_ms": (self.clock() - self.wake_at) * 1000,
+            "wall": self.wall(),
+        }
+
+    def _yields_done(self, snap: Snapshot) -> tuple:
+        """Preemptions whose workload is gone in this round."""
+        done = []
+        for ex in snap.exited:
+            y = self.yielding.pop(ex.key, None)
+            if y is not None:
+                gone = (ex.ended_at - y["wake"]) * 1000
+                done.append(
+                    Preemption(y["wall"], y["uuid"], y["workload"], y["who"], y["by"], y["term_ms"], gone)
+                )
+        return tuple(done)
+
+    def _idle_holders(self, plan: policy.Plan, snap: Snapshot) -> tuple:
+        """The idle-holder episodes after this round (and a log line for each that began or ended)."""
+        self.idle_track, started, ended = idleholders.track(plan.rules, snap, self.idle_track)
+        for h in started:
+            log.info(
+                "idle holder on %s: %s %s[%d] holds %d MiB at <= %g%% for %s",
+                words.gpu(h.uuid, plan.index_of),
+                h.user,
+                h.program,
+                h.pid,
+                h.memory_mib,
+                plan.rules[h.uuid].idle_holder_utilization_pct if h.uuid in plan.rules else 1.0,
+                words.duration(h.idle_seconds(snap.now)),
+            )
+        for h in ended:
+            log.info(
+                "idle holder on %s no more: %s %s[%d] (idle for %s)",
+                words.gpu(h.uuid, plan.index_of),
+                h.user,
+                h.program,
+                h.pid,
+                words.duration(h.idle_seconds(snap.now)),
+            )
+        return tuple(self.idle_track.current.values()), started, ended
 
     def _start(self, action: Start, plan: policy.Plan, now: float) -> None:
         inst = action.instance
@@ -372,7 +429,14 @@ class Daemon:
         log.log(level, "%s", text)
         self.said.append({"wall": self.wall(), "text": text})
 
-    def _publish(self, plan: policy.Plan, snap: Snapshot, decision: Decision) -> None:
+    def _publish(
+        self,
+        plan: policy.Plan,
+        snap: Snapshot,
+        decision: Decision,
+        yields: tuple = (),
+        idle: tuple = ((), (), ()),
+    ) -> None:
         self.report = RoundReport(
             config=self.config,
             plan=plan,
@@ -388,6 +452,10 @@ class Daemon:
             },
             source=self.source,
             wall=self.wall(),
+            preemptions=yields,
+            idle_holders=idle[0],
+            idle_started=idle[1],
+            idle_ended=idle[2],
         )
         self.loop.publish(self.report)
 
@@ -427,8 +495,10 @@ class Daemon:
         for key in ("state_file", "containment"):
             if getattr(d, key) != getattr(old, key):
                 log.warning("reload: [defaults] %s changes take effect when gpu-mon restarts", key)
+        if new.history != self.config.history:
+            log.warning("reload: [history] changes take effect when gpu-mon restarts")
         fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
-        return dataclasses.replace(new, defaults=fixed)
+        return dataclasses.replace(new, defaults=fixed, history=self.config.history)
 
     def _apply(self, new: Config, now: float) -> None:
         old = policy.processes_by_name(self.config)

@@ -174,3 +174,18 @@ class Restarting:
     def failing(self) -> bool:
         """Three quick failures in a row: worth a warning."""
         return self.failures >= 3
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A workload stopped because someone else started using its GPU: when, for whom, how fast.
+
+    Latencies count from the wake of the loop that saw the foreign use (an open event, or a poll)."""
+
+    wall: float
+    uuid: str
+    workload: str
+    who: str
+    detected_by: str  # "open" (inotify) or "poll"
+    term_ms: float  # to the stop signal
+    gone_ms: Optional[float]  # to the last process of the workload gone

@@ -21,7 +21,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Set, Tupl
 
 from gpu_mon.api.model import Snapshot
 from gpu_mon.config import Config
-from gpu_mon.engine.decisions import Decision
+from gpu_mon.engine.decisions import Decision, Preemption
+from gpu_mon.engine.idleholders import IdleHolder
 
 log = logging.getLogger("gpu_mon")
 
@@ -39,6 +40,10 @@ class RoundReport:
     daemon: dict  # pid, start_ticks, started_wall, containment
     source: str  # "" for NVML, else where the simulated GPUs come from
     wall: float  # time.time() of the round
+    preemptions: Tuple[Preemption, ...] = ()  # yields completed in this round
+    idle_holders: Tuple[IdleHolder, ...] = ()  # current idle holders
+    idle_started: Tuple[IdleHolder, ...] = ()  # idle-holder episodes that began in this round
+    idle_ended: Tuple[IdleHolder, ...] = ()  # ... and that ended
 
 
 class Listener(Protocol):

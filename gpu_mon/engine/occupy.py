@@ -18,7 +18,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from gpu_mon.config import Config, Defaults, GpuSection, GpuSelection, ProcessSection, TtySection
+from gpu_mon.config import (
+    Config,
+    Defaults,
+    GpuSection,
+    GpuSelection,
+    HistorySection,
+    ProcessSection,
+    TtySection,
+)
 
 NAME = "occupy"
 
@@ -97,6 +105,7 @@ def config(spec: OccupySpec, state_dir: str) -> Config:
         gpu_sections=(rules,),
         processes=(_process(spec, selection),),
         tty=TtySection(enabled=False),
+        history=HistorySection(enabled=False),
     )
 
 

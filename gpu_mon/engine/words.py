@@ -144,3 +144,17 @@ def status_line(report: RoundReport) -> str:
     if snap.reading.error:
         parts.append(f"GPUs unreadable: {sanitize(snap.reading.error)}")
     return "; ".join(parts)
+
+
+def duration(seconds: Optional[float]) -> str:
+    """`45 s`, `12 min`, `3 h`, `5 days`."""
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    if seconds < 172800:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{seconds // 86400} d"

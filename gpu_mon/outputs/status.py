@@ -11,6 +11,7 @@ from gpu_mon.api.text import sanitize, sanitize_lines
 from gpu_mon.config import Config, GpuSection
 from gpu_mon.engine import words
 from gpu_mon.engine.decisions import Decision, Instance
+from gpu_mon.engine.idleholders import IdleHolder
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.engine.policy import Plan, ignored
 
@@ -33,6 +34,7 @@ def from_report(report: RoundReport) -> dict:
         daemon=report.daemon,
         source=report.source,
         wall=report.wall,
+        idle_holders=report.idle_holders,
     )
 
 
@@ -47,6 +49,7 @@ def build(
     daemon: Optional[dict] = None,
     source: str = "",
     wall: Optional[float] = None,
+    idle_holders: Iterable[IdleHolder] = (),
 ) -> dict:
     """The whole status document. Times are wall-clock seconds (rounded), so that a document that nothing
     changed in stays the same from round to round, and durations are computed when it is shown."""
@@ -65,6 +68,19 @@ def build(
         "terminals": doc.terminals(config),
         "paused_by": [words.terminal(t) for t in decision.paused_by],
         "workloads": [doc.instance(i) for i in plan.instances],
+        # Since when (wall clock), so that the document stays the same while nothing changes; `status` adds
+        # idle_seconds when it shows them.
+        "idle_holders": [
+            {
+                "pid": h.pid,
+                "user": h.user,
+                "program": h.program,
+                "gpu": h.uuid,
+                "memory_mib": h.memory_mib,
+                "idle_since_wall": doc.since(h.since),
+            }
+            for h in idle_holders
+        ],
         "decisions": list(decisions),
     }
 
@@ -174,19 +190,6 @@ class _Document:
         return entry
 
 
-def _duration(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    if seconds < 172800:
-        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-    return f"{seconds // 86400} d"
-
-
 def _who(h: dict) -> str:
     tag = " (ours)" if h.get("ours") else " (ignored)" if h.get("ignored") else ""
     mem = f" {h['used_memory_mib']} MiB" if h.get("used_memory_mib") is not None else ""
@@ -215,7 +218,7 @@ def render(doc: dict) -> str:
         lines += _gpu_lines(g, now)
     if not doc.get("gpus"):
         lines.append("No GPUs found.")
-    lines += _terminal_lines(doc, now) + _workload_lines(doc, now)
+    lines += _idle_holder_lines(doc, now) + _terminal_lines(doc, now) + _workload_lines(doc, now)
     if doc.get("decisions"):
         lines += ["", "Recent decisions:"]
         for entry in doc["decisions"][-10:]:
@@ -226,10 +229,10 @@ def render(doc: dict) -> str:
 def _header(doc: dict, now: float) -> List[str]:
     d = doc.get("daemon")
     if d:
-        up = _duration(now - d["started_wall"]) if d.get("started_wall") else "?"
+        up = words.duration(now - d["started_wall"]) if d.get("started_wall") else "?"
         lines = [
             f"gpu-mon {doc.get('gpu_mon')}: daemon running (pid {d['pid']}, up {up}); "
-            f"config {doc.get('config')}; changed {_duration(now - doc['updated_wall'])} ago"
+            f"config {doc.get('config')}; changed {words.duration(now - doc['updated_wall'])} ago"
         ]
         if d.get("containment"):
             lines.append(f"  containment: {d['containment']}")
@@ -261,7 +264,7 @@ def _gpu_lines(g: dict, now: float) -> List[str]:
     util = f"{g['utilization_pct']}%" if g["utilization_pct"] is not None else "?%"
     state = g["state"]
     if state == "free" and g.get("free_since_wall") is not None:
-        state = f"free for {_duration(now - g['free_since_wall'])}"
+        state = f"free for {words.duration(now - g['free_since_wall'])}"
     elif state == "busy" and g["reasons"]:
         state = f"busy: {g['reasons'][0]}"
     watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
@@ -271,6 +274,28 @@ def _gpu_lines(g: dict, now: float) -> List[str]:
         lines.append("    device holders: " + ", ".join(_who(h) for h in g["holders"]))
     if g["nvml_processes"]:
         lines.append("    NVML processes: " + ", ".join(_who(h) for h in g["nvml_processes"]))
+    return lines
+
+
+def with_idle_seconds(doc: dict, now: float) -> dict:
+    """The document with each idle holder's `idle_seconds` as of `now` (for `status --json`)."""
+    for h in doc.get("idle_holders") or []:
+        if h.get("idle_since_wall") is not None:
+            h["idle_seconds"] = max(0, round(now - h["idle_since_wall"]))
+    return doc
+
+
+def _idle_holder_lines(doc: dict, now: float) -> List[str]:
+    holders = doc.get("idle_holders") or []
+    if not holders:
+        return []
+    lines = ["", "Idle holders (GPU memory held without using the GPU; reported, never signalled):"]
+    for h in holders:
+        idle = words.duration(now - h["idle_since_wall"]) if h.get("idle_since_wall") is not None else "?"
+        lines.append(
+            f"    {sanitize(str(h['user']))} {sanitize(str(h['program']))}[{h['pid']}] on {h['gpu']}: "
+            f"{h['memory_mib']} MiB, idle {idle}"
+        )
     return lines
 
 
@@ -287,7 +312,7 @@ def _terminal_lines(doc: dict, now: float) -> List[str]:
         for t in sorted(recent, key=lambda t: -t["active_wall"])[:20]:
             mark = "  <- pauses work" if t["pauses_work"] else ""
             lines.append(
-                f"    {t['device']:<12} {t['user']:<12} idle {_duration(now - t['active_wall'])}{mark}"
+                f"    {t['device']:<12} {t['user']:<12} idle {words.duration(now - t['active_wall'])}{mark}"
             )
     if doc.get("paused_by"):
         lines.append(f"All work paused for terminal users: {'; '.join(doc['paused_by'])}")
@@ -302,7 +327,7 @@ def _workload_lines(doc: dict, now: float) -> List[str]:
         if w["state"] in ("running", "stopping"):
             # The log names a workload by its session id (the leader's pid): say both.
             cmd = f", command pid {w['command_pid']}" if w.get("command_pid") else ""
-            what = f"{w['state']}  session {w.get('pid')}{cmd}, up {_duration(now - w['started_wall'])}"
+            what = f"{w['state']}  session {w.get('pid')}{cmd}, up {words.duration(now - w['started_wall'])}"
         else:
             what = w.get("why") or w["state"]
         extra = f"  restarts {w['restarts']}" if w["restarts"] else ""

@@ -1,0 +1,213 @@
+"""The history database (embedded SQLite): its schema, migrations, and the reads `gpu-mon report` makes.
+The only module that imports sqlite3. Times are wall-clock seconds (epoch).
+
+Rows that are still open (a GPU's current state, a running workload, an idle-holder episode) are written
+with `end` = the time of the last write and moved forward at every write, so a daemon killed at any moment
+leaves a consistent database that ends at its last write.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x67706D6E  # "gpmn": marks the file as gpu-mon's history
+_SCHEMA_V1 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE gpus (uuid TEXT PRIMARY KEY, idx INTEGER, name TEXT, last_seen REAL);
+CREATE TABLE intervals (
+    id INTEGER PRIMARY KEY, uuid TEXT NOT NULL, state TEXT NOT NULL, detail TEXT NOT NULL DEFAULT '',
+    users TEXT NOT NULL DEFAULT '', start REAL NOT NULL, end REAL NOT NULL);
+CREATE INDEX intervals_by_end ON intervals (end);
+CREATE TABLE runs (
+    id INTEGER PRIMARY KEY, process TEXT NOT NULL, label TEXT NOT NULL, gpus TEXT NOT NULL,
+    user TEXT NOT NULL DEFAULT '', start REAL NOT NULL, end REAL NOT NULL,
+    how TEXT NOT NULL DEFAULT 'running');
+CREATE INDEX runs_by_end ON runs (end);
+CREATE TABLE preemptions (
+    id INTEGER PRIMARY KEY, time REAL NOT NULL, uuid TEXT NOT NULL, workload TEXT NOT NULL, who TEXT NOT NULL,
+    detected_by TEXT NOT NULL, term_ms REAL NOT NULL, gone_ms REAL);
+CREATE INDEX preemptions_by_time ON preemptions (time);
+CREATE TABLE idle_holders (
+    id INTEGER PRIMARY KEY, uuid TEXT NOT NULL, pid INTEGER NOT NULL, user TEXT NOT NULL,
+    program TEXT NOT NULL, memory_mib INTEGER NOT NULL, start REAL NOT NULL, end REAL NOT NULL);
+CREATE INDEX idle_holders_by_end ON idle_holders (end);
+CREATE TABLE samples (
+    time REAL NOT NULL, uuid TEXT NOT NULL, memory_used_mib INTEGER, utilization_pct INTEGER);
+CREATE INDEX samples_by_time ON samples (time);
+"""
+# version -> the statements that bring a database from version-1 to it (v1 is created whole).
+MIGRATIONS: Dict[int, str] = {}
+Error = sqlite3.Error
+
+
+class NotOurs(Exception):
+    """The file is not a gpu-mon history database (or is damaged); str() says how."""
+
+
+def connect_rw(path: str) -> sqlite3.Connection:
+    """Open (creating it and its directory) for the daemon's writer: WAL, synchronous=NORMAL, a busy
+    timeout. NotOurs when the file exists but is damaged or someone else's."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
+    conn = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
+    try:
+        if fresh:
+            os.chmod(path, 0o644)
+        _check(conn, fresh)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        migrate(conn)
+    except (sqlite3.DatabaseError, NotOurs) as err:
+        conn.close()
+        raise NotOurs(str(err)) from None
+    return conn
+
+
+def _check(conn: sqlite3.Connection, fresh: bool) -> None:
+    if fresh:
+        conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        return
+    app = conn.execute("PRAGMA application_id").fetchone()[0]
+    if app != APPLICATION_ID:
+        raise NotOurs("not a gpu-mon history database (another application's SQLite file)")
+    ok = conn.execute("PRAGMA quick_check").fetchone()[0]
+    if ok != "ok":
+        raise NotOurs(f"damaged ({ok})")
+
+
+def version(conn: sqlite3.Connection) -> int:
+    """The schema version of this database (0: empty)."""
+    has = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'").fetchone()
+    if not has:
+        return 0
+    row = conn.execute("SELECT version FROM schema_version").fetchone()
+    return int(row[0]) if row else 0
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Bring the schema to SCHEMA_VERSION, one version per transaction."""
+    current = version(conn)
+    if current > SCHEMA_VERSION:
+        raise NotOurs(f"written by a newer gpu-mon (schema {current}; this one knows {SCHEMA_VERSION})")
+    if current == 0:
+        conn.executescript(f"BEGIN; {_SCHEMA_V1} INSERT INTO schema_version VALUES (1); COMMIT;")
+        current = 1
+    for target in range(current + 1, SCHEMA_VERSION + 1):
+        conn.executescript(
+            f"BEGIN; {MIGRATIONS[target]} UPDATE schema_version SET version = {target}; COMMIT;"
+        )
+
+
+def connect_ro(path: str) -> sqlite3.Connection:
+    """Open read-only (works while the daemon writes); NotOurs when it is not a usable history."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    try:
+        if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+            raise NotOurs("not a gpu-mon history database")
+        if version(conn) > SCHEMA_VERSION:
+            raise NotOurs(f"written by a newer gpu-mon (schema {version(conn)})")
+    except sqlite3.DatabaseError as err:
+        conn.close()
+        raise NotOurs(str(err)) from None
+    except NotOurs:
+        conn.close()
+        raise
+    return conn
+
+
+def move_aside(path: str, when: float) -> str:
+    """Rename a damaged or foreign file (and its -wal/-shm) out of the way; return the new name."""
+    import time as _time
+
+    stamp = _time.strftime("%Y%m%d-%H%M%S", _time.localtime(when))
+    aside = f"{path}.bad-{stamp}"
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(path + suffix):
+            os.replace(path + suffix, aside + suffix)
+    return aside
+
+
+def retain(conn: sqlite3.Connection, cutoff: float) -> int:
+    """Delete what ended before `cutoff`; return how many rows went."""
+    gone = 0
+    for table, column in (
+        ("intervals", "end"),
+        ("runs", "end"),
+        ("idle_holders", "end"),
+        ("preemptions", "time"),
+        ("samples", "time"),
+    ):
+        gone += conn.execute(f"DELETE FROM {table} WHERE {column} < ?", (cutoff,)).rowcount
+    return gone
+
+
+# ----------------------------------------------------------------------------------------------- reads
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of time with what it was (an interval, a run, an idle-holder episode)."""
+
+    key: str  # GPU uuid, process name or user
+    kind: str  # state, label or program
+    detail: str
+    start: float
+    end: float
+
+    def within(self, since: float, until: float) -> float:
+        """Seconds of it inside [since, until)."""
+        return max(0.0, min(self.end, until) - max(self.start, since))
+
+
+def gpus(conn: sqlite3.Connection) -> List[Tuple[str, Optional[int], Optional[str]]]:
+    """(uuid, index, name) of every GPU the history knows, by index."""
+    return list(conn.execute("SELECT uuid, idx, name FROM gpus ORDER BY idx, uuid"))
+
+
+def intervals(conn: sqlite3.Connection, since: float, until: float) -> List[Span]:
+    """GPU states overlapping [since, until): key = uuid, kind = state, detail = users."""
+    rows = conn.execute(
+        "SELECT uuid, state, users, start, end FROM intervals WHERE end > ? AND start < ?", (since, until)
+    )
+    return [Span(*row) for row in rows]
+
+
+def runs(
+    conn: sqlite3.Connection, since: float, until: float
+) -> List[Tuple[str, str, int, str, float, float]]:
+    """(process, label, number of GPUs, user, start, end) of runs overlapping the period."""
+    rows = conn.execute(
+        "SELECT process, label, gpus, user, start, end FROM runs WHERE end > ? AND start < ?", (since, until)
+    )
+    return [(p, label, len([g for g in gs.split(",") if g]), u, s, e) for p, label, gs, u, s, e in rows]
+
+
+def preemptions(conn: sqlite3.Connection, since: float, until: float) -> List[Tuple[float, str, float]]:
+    """(time, uuid, open-to-SIGTERM ms) in the period."""
+    q = "SELECT time, uuid, term_ms FROM preemptions WHERE time >= ? AND time < ? ORDER BY time"
+    return list(conn.execute(q, (since, until)))
+
+
+def idle_episodes(conn: sqlite3.Connection, since: float, until: float) -> List[Span]:
+    """Idle-holder episodes overlapping the period: key = user, kind = program, detail = uuid."""
+    rows = conn.execute(
+        "SELECT user, program, uuid, start, end FROM idle_holders WHERE end > ? AND start < ?", (since, until)
+    )
+    return [Span(*row) for row in rows]
+
+
+def extent(conn: sqlite3.Connection) -> Optional[Tuple[float, float]]:
+    """(first start, last end) of all intervals, or None when there is no history yet."""
+    row = conn.execute("SELECT MIN(start), MAX(end) FROM intervals").fetchone()
+    return None if row is None or row[0] is None else (float(row[0]), float(row[1]))
+
+
+def insert_many(conn: sqlite3.Connection, sql: str, rows: Iterable[Sequence[object]]) -> None:
+    """executemany, for the writer."""
+    conn.executemany(sql, list(rows))

@@ -1,0 +1,127 @@
+"""`gpu-mon report`: what the history says (GPU-hours harvested, preemptions, yield latency, idle holders),
+as a table, JSON or a plot. Reads the [history] file read-only: works while the daemon writes, as any user
+allowed to read it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import time
+from typing import List
+
+from gpu_mon.api import historydb, summary
+from gpu_mon.commands import base
+from gpu_mon.config import HistorySection
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([mhdw])$")
+_UNIT_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """--since, --until, --by, --json, --plot."""
+    p.add_argument(
+        "--since", default="7d", metavar="WHEN", help="7d, 12h, 2026-11-01 or 2026-11-01T08:00 (7d)"
+    )
+    p.add_argument("--until", default=None, metavar="WHEN", help="the same forms (default: now)")
+    p.add_argument("--by", choices=("gpu", "day", "process", "user"), default="gpu", help="the table (gpu)")
+    p.add_argument("--json", action="store_true", help="everything, machine-readable")
+    p.add_argument(
+        "--plot", metavar="FILE", help="a timeline per GPU and daily harvested GPU-hours (.png/.svg)"
+    )
+
+
+def parse_when(text: str, now: float, what: str) -> float:
+    """7d (ago), 12h, 30m, 2w, or an ISO date/time (local time unless it says otherwise)."""
+    m = _RELATIVE.match(text.strip())
+    if m:
+        return now - float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise base.CliError(
+            f"report: {what} {text!r}: use 7d, 12h, 30m, 2w or a date like 2026-11-01"
+        ) from None
+    return when.timestamp()
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Print (or plot) the report; exit 1 when there is no history yet."""
+    config = base.load_config(args, required=False)
+    path = (config.history if config else HistorySection()).path
+    now = time.time()
+    since = parse_when(args.since, now, "--since")
+    until = parse_when(args.until, now, "--until") if args.until else now
+    if until <= since:
+        raise base.CliError("report: --until must be after --since")
+    try:
+        conn = historydb.connect_ro(path)
+    except FileNotFoundError:
+        raise base.CliError(
+            f"report: no history yet: {path} does not exist (the daemon writes it)", 1
+        ) from None
+    except (historydb.NotOurs, historydb.Error) as err:
+        raise base.CliError(f"report: {path}: {err}", 1) from None
+    with conn:
+        if historydb.extent(conn) is None:
+            raise base.CliError(f"report: no history yet in {path}", 1)
+        doc = summary.summarize(conn, since, until)
+        if args.plot:
+            from gpu_mon.commands import plot
+
+            plot.draw(conn, doc, since, until, args.plot)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(render(doc, args.by)))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return base.EXIT_OK
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f}"
+
+
+def _table(headers: List[str], rows: List[List[str]]) -> List[str]:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
+
+
+def render(doc: dict, by: str) -> List[str]:
+    """The report as text: a header and the table `by` asks for (hours)."""
+    lines = [f"gpu-mon report: {doc['since']} to {doc['until']} (hours)", ""]
+    if by == "gpu":
+        rows = [
+            [
+                f"{g['index']} {g['uuid']}",
+                _hours(g["harvested_seconds"]),
+                _hours(g["foreign_seconds"]),
+                _hours(g["idle_seconds"]),
+                _hours(g["paused_seconds"]),
+                _hours(g["unknown_seconds"]),
+                str(g["preemptions"]),
+                "-" if g["yield_ms_p50"] is None else f"{g['yield_ms_p50']:.0f} / {g['yield_ms_p99']:.0f}",
+            ]
+            for g in doc["gpus"]
+        ]
+        heads = [
+            "GPU",
+            "harvested",
+            "foreign",
+            "idle",
+            "paused",
+            "unknown",
+            "preemptions",
+            "yield ms p50/p99",
+        ]
+        return lines + _table(heads, rows)
+    if by == "day":
+        rows = [[d["day"], *(_hours(d[f"{s}_seconds"]) for s in summary.STATES)] for d in doc["days"]]
+        return lines + _table(["day", *summary.STATES], rows)
+    if by == "process":
+        rows = [[p["name"], str(p["runs"]), _hours(p["gpu_seconds"])] for p in doc["processes"]]
+        return lines + _table(["process", "runs", "GPU-hours"], rows)
+    rows = [[u["user"], _hours(u["gpu_seconds"]), _hours(u["idle_holder_seconds"])] for u in doc["users"]]
+    return lines + _table(["user", "GPU-hours", "idle-holder hours"], rows)
