@@ -195,14 +195,15 @@ def test_yield_releases_on_a_foreign_open_and_takes_the_gpus_back(occ, sim, tmp_
     try:
         assert foreign.stdout is not None and foreign.stdout.readline().strip() == b"open"
         wait_for(lambda: marked(marker) == [], timeout=10, what="every process of CMD gone")
-        m = re.search(r"occupy\[\d+\] stopped in (\d+) ms \(SIGTERM\)", occ.log())
-        assert m and int(m.group(1)) < 2000, occ.log()
+        stopped = re.compile(r"occupy\[\d+\] stopped in (\d+) ms \(SIGTERM\)")
+        m = wait_for(lambda: stopped.search(occ.log()), what="the stop line")  # logged once it is reaped
+        assert int(m.group(1)) < 2000, occ.log()  # type: ignore[union-attr]
         assert occ.wait_state("yielded")["state"] == "yielded"
     finally:
         foreign.kill()
         foreign.wait()
     occ.wait_state("occupying")
-    assert out.read_text().count("\n") == 2  # taken back after the wait
+    wait_for(lambda: out.read_text().count("\n") == 2, what="CMD started again")  # taken back after the wait
 
 
 def test_hold_mode_keeps_the_gpus_when_someone_else_opens_one(occ, sim, tmp_path):

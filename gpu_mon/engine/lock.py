@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from typing import Optional
 
 
@@ -82,14 +83,15 @@ class DaemonLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_pid(fd)
+                holder = _holder_pid(fd)
                 os.close(fd)
                 who = f"pid {holder}" if holder else "pid unknown"
                 raise LockError(f"another gpu-mon daemon is running ({who}; lock {self.path})") from None
             if _same_file(fd, self.path):
                 self.fd = fd
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                mine = f"{os.getpid()}\n".encode()
+                os.pwrite(fd, mine, 0)  # then cut what a longer old pid left: never an empty file
+                os.ftruncate(fd, len(mine))
                 return
             os.close(fd)
         raise LockError(f"{self.path}: keeps being replaced while we lock it")
@@ -101,6 +103,19 @@ class DaemonLock:
                 os.ftruncate(self.fd, 0)
             os.close(self.fd)
             self.fd = None
+
+
+def _holder_pid(fd: int, wait_seconds: float = 1.0) -> Optional[int]:
+    """The pid the lock's holder wrote. A holder that has just taken the lock may not have written it yet
+    (the file is then empty, or still names the dead daemon before it): wait for a live one, briefly."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        pid = _read_pid(fd)
+        if pid is not None and os.path.isdir(f"/proc/{pid}"):
+            return pid
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
 
 
 def _read_pid(fd: int) -> Optional[int]:
