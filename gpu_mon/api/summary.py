@@ -7,6 +7,7 @@ daemon was running) counts as unknown, so the five durations add up to the perio
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -33,11 +34,13 @@ def gpu_rows(
 ) -> List[dict]:
     """One row per GPU: seconds in each state, preemptions and yield latency (open to SIGTERM)."""
     out = []
+    by_gpu: Dict[str, List[historydb.Span]] = {}
+    for s in spans:
+        by_gpu.setdefault(s.key, []).append(s)
     for uuid, index, name in gpus:
         seconds = dict.fromkeys(STATES, 0.0)
-        for s in spans:
-            if s.key == uuid:
-                seconds[s.kind if s.kind in seconds else "unknown"] += s.within(since, until)
+        for s in by_gpu.get(uuid, ()):
+            seconds[s.kind if s.kind in seconds else "unknown"] += s.within(since, until)
         seconds["unknown"] += max(0.0, (until - since) - sum(seconds.values()))
         ms = [t for _time, u, t in yields if u == uuid]
         p50, p99 = percentile(ms, 50), percentile(ms, 99)
@@ -95,19 +98,22 @@ def user_rows(
 
 def day_rows(spans: List[historydb.Span], since: float, until: float) -> List[dict]:
     """Per local calendar day: seconds in each state, all GPUs together (the covered time only)."""
-    out: List[dict] = []
-    day = datetime.datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0)
-    while day.timestamp() < until:
-        nxt = day + datetime.timedelta(days=1)
-        lo, hi = max(since, day.timestamp()), min(until, nxt.timestamp())
-        seconds = dict.fromkeys(STATES, 0.0)
-        for s in spans:
-            seconds[s.kind if s.kind in seconds else "unknown"] += s.within(lo, hi)
-        out.append(
-            {"day": day.date().isoformat(), **{f"{k}_seconds": round(v, 1) for k, v in seconds.items()}}
-        )
-        day = nxt
-    return out
+    first = datetime.datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0)
+    bounds = [first]
+    while bounds[-1].timestamp() < until:
+        bounds.append(bounds[-1] + datetime.timedelta(days=1))
+    edges = [b.timestamp() for b in bounds]
+    totals = [dict.fromkeys(STATES, 0.0) for _ in edges[:-1]]
+    for s in spans:  # each span visits only the days it touches
+        i = max(0, bisect.bisect_right(edges, max(s.start, since)) - 1)
+        while i < len(totals) and edges[i] < min(s.end, until):
+            kind = s.kind if s.kind in STATES else "unknown"
+            totals[i][kind] += s.within(max(since, edges[i]), min(until, edges[i + 1]))
+            i += 1
+    return [
+        {"day": bounds[i].date().isoformat(), **{f"{k}_seconds": round(v, 1) for k, v in t.items()}}
+        for i, t in enumerate(totals)
+    ]
 
 
 def summarize(conn: object, since: float, until: float) -> dict:

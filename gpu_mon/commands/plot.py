@@ -39,13 +39,14 @@ def draw(conn: object, doc: dict, since: float, until: float, path: str) -> None
         2, 1, figsize=(11, 2.5 + 0.45 * len(gpus)), gridspec_kw={"height_ratios": [max(2, len(gpus)), 2]}
     )
     rows = {g["uuid"]: i for i, g in enumerate(gpus)}
-    to_num = mdates.date2num
+    bars: dict = {}  # (row, state) -> [(start, width)]: one broken_barh per pair, not per interval
     for s in spans:
         if s.key in rows:
-            lo, hi = max(s.start, since), min(s.end, until)
-            start = to_num(datetime.datetime.fromtimestamp(lo))
-            width = to_num(datetime.datetime.fromtimestamp(hi)) - start
-            top.broken_barh([(start, width)], (rows[s.key] - 0.4, 0.8), color=COLORS.get(s.kind, "#000000"))
+            lo = mdates.date2num(datetime.datetime.fromtimestamp(max(s.start, since)))
+            hi = mdates.date2num(datetime.datetime.fromtimestamp(min(s.end, until)))
+            bars.setdefault((rows[s.key], s.kind), []).append((lo, hi - lo))
+    for (row, kind), pieces in bars.items():
+        top.broken_barh(pieces, (row - 0.4, 0.8), color=COLORS.get(kind, "#000000"), linewidth=0)
     for when, uuid, _ms in yields:
         if uuid in rows:
             top.plot(
@@ -57,6 +58,7 @@ def draw(conn: object, doc: dict, since: float, until: float, path: str) -> None
     top.set_xlim(datetime.datetime.fromtimestamp(since), datetime.datetime.fromtimestamp(until))
     top.xaxis_date()
     legend = [Patch(color=c, label=s) for s, c in COLORS.items()]
+    legend.append(Patch(facecolor="white", edgecolor="#999999", label="not recorded"))
     top.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="▼ preemption")
     top.set_title(f"GPU states, {doc['since'][:16]} to {doc['until'][:16]}")
     days = doc["days"]

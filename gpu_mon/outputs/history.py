@@ -144,6 +144,7 @@ class _Writer:
 
     def run(self) -> None:
         """Until a `close` operation: gather a batch, write it."""
+        self._open(time.time())  # at once: the file exists (and a problem is said) from the start
         closing = False
         while not closing:
             batch = self._gather()
