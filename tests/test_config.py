@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpu_mon import config
-from gpu_mon.config import ConfigError, Defaults, GpuSelection, SentinelSection, TtySection
+from gpu_mon.config import ConfigError, Defaults, GpuSelection, HistorySection, SentinelSection, TtySection
 
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "/etc/gpu_mon.conf"
@@ -237,6 +237,7 @@ def test_shipped_config_with_every_commented_key_enabled_is_valid():
     assert c.defaults == Defaults()
     assert c.tty == TtySection()
     assert c.sentinel is not None and dataclasses.replace(c.sentinel, line=0) == SentinelSection()
+    assert c.history == HistorySection()
     (g,) = c.gpu_sections
     assert (g.gpus, g.ignore_programs, g.ignore_users, g.busy_memory_mib, g.holder_grace_seconds) == (
         GpuSelection(all=True),
@@ -245,6 +246,7 @@ def test_shipped_config_with_every_commented_key_enabled_is_valid():
         1024,
         None,
     )
+    assert (g.idle_holder_seconds, g.idle_holder_memory_mib, g.idle_holder_utilization_pct) == (7200, 1024, 1)
     (p,) = c.processes
     assert p.name == "stress" and p.cmd == ("/usr/bin/gpu-mon", "stress", "--memory", "88%")
     assert (p.gpus, p.per_gpu, p.dir, p.log, p.env) == (GpuSelection(all=True), False, "/", None, ())
@@ -967,6 +969,15 @@ INVALID = [
 
 
 INVALID += [
+    ("history-key", "[history]\nretention = 3\n", 2, "[history] retention: ", "retention_days"),
+    ("history-sample", "[history]\nsample_seconds = 0.1\n", 2, "[history] sample_seconds: ", "at least 1"),
+    (
+        "idle-pct",
+        "[gpu-a]\ngpus = 0\nidle_holder_utilization_pct = 200\n",
+        3,
+        "[gpu-a] idle_holder",
+        "0 to 100",
+    ),
     ("sentinel-threshold", "[sentinel]\narm_threshold = 70\n", 2, "[sentinel] arm_threshold: ", "fraction"),
     ("sentinel-action", "[sentinel]\nkill_action = halt\n", 2, "[sentinel] kill_action: ", "not one of"),
     ("sentinel-no-cmd", "[sentinel]\nkill_action = command\n", 2, "[sentinel] command: ", "needs command"),

@@ -68,3 +68,12 @@ def test_no_daemon_says_where_it_looked():
     assert "no daemon running" in text
     assert "(looked for a daemon holding /run/gpu_mon/state.json.lock)" in text
     assert "gpu-mon --config /srv/demo.conf status" in text
+
+
+def test_idle_holders_are_listed_with_how_long():
+    h = {"pid": 4242, "user": "alice", "program": "python3", "gpu": "GPU-a", "memory_mib": 40960}
+    h["idle_since_wall"] = time.time() - 3 * 3600
+    text = status.render(doc(idle_holders=[h]))
+    assert "Idle holders" in text and "alice python3[4242] on GPU-a: 40960 MiB, idle 3 h 0 min" in text
+    with_seconds = status.with_idle_seconds(doc(idle_holders=[dict(h)]), time.time())
+    assert abs(with_seconds["idle_holders"][0]["idle_seconds"] - 3 * 3600) <= 2

@@ -155,6 +155,7 @@ def test_service_runs_gpu_mon_the_way_it_expects() -> None:
     assert _one(s, "OOMPolicy") == "continue"
     assert _one(s, "RuntimeDirectory") == "gpu_mon"
     assert _one(s, "LogsDirectory") == "gpu-mon"
+    assert _one(s, "StateDirectory") == "gpu_mon"  # [history]'s default /var/lib/gpu_mon/history.sqlite
     assert _one(s, "WantedBy") == "multi-user.target"
     # The default state file lives in the runtime directory the unit creates.
     assert Defaults().state_file.startswith("/run/gpu_mon/")

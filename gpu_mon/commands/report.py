@@ -80,8 +80,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     return base.EXIT_OK
 
 
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f}"
+def _in(unit: float):
+    return lambda seconds: f"{seconds / unit:.1f}"
 
 
 def _table(headers: List[str], rows: List[List[str]]) -> List[str]:
@@ -90,8 +90,11 @@ def _table(headers: List[str], rows: List[List[str]]) -> List[str]:
 
 
 def render(doc: dict, by: str) -> List[str]:
-    """The report as text: a header and the table `by` asks for (hours)."""
-    lines = [f"gpu-mon report: {doc['since']} to {doc['until']} (hours)", ""]
+    """The report as text: a header and the table `by` asks for (hours; minutes for up to 6 hours)."""
+    span = datetime.datetime.fromisoformat(doc["until"]) - datetime.datetime.fromisoformat(doc["since"])
+    minutes = span.total_seconds() <= 6 * 3600
+    _hours = _in(60.0 if minutes else 3600.0)
+    lines = [f"gpu-mon report: {doc['since']} to {doc['until']} ({'minutes' if minutes else 'hours'})", ""]
     if by == "gpu":
         rows = [
             [
@@ -122,6 +125,6 @@ def render(doc: dict, by: str) -> List[str]:
         return lines + _table(["day", *summary.STATES], rows)
     if by == "process":
         rows = [[p["name"], str(p["runs"]), _hours(p["gpu_seconds"])] for p in doc["processes"]]
-        return lines + _table(["process", "runs", "GPU-hours"], rows)
+        return lines + _table(["process", "runs", "GPU time"], rows)
     rows = [[u["user"], _hours(u["gpu_seconds"]), _hours(u["idle_holder_seconds"])] for u in doc["users"]]
-    return lines + _table(["user", "GPU-hours", "idle-holder hours"], rows)
+    return lines + _table(["user", "GPU time", "as an idle holder"], rows)

@@ -22,7 +22,7 @@ from gpu_mon.api.model import Snapshot
 from gpu_mon.api.observe import Backend, Observer
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
-from gpu_mon.engine import idleholders, policy, words
+from gpu_mon.engine import gpustate, idleholders, policy, words
 from gpu_mon.engine.decisions import Decision, PolicyState, Preemption, Start, Stop
 from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
@@ -336,8 +336,8 @@ class Daemon:
                 if w is not None:
                     why = words.stop(action, plan.index_of)
                     self.supervisor.stop(action.key, why, now)
-                    if action.busy:
-                        self._yield_started(action, w.label)
+                    if action.busy and action.busy[0][1].kind in gpustate.FOREIGN_REASONS:
+                        self._yield_started(action, w.label)  # a preemption (not: the GPU went unreadable)
                     self._say(f"{why}; stopping {w.label}[{w.pid}]")
             elif isinstance(action, Start) and not self.stopping:
                 self._start(action, plan, now)

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Optional, Tuple
 from gpu_mon.engine.decisions import Busy, Decision, Verdict
 
 STATES = ("harvesting", "foreign", "idle", "paused", "unknown")
-_FOREIGN = (Busy.HOLDER, Busy.CONTEXT, Busy.MEMORY)
+FOREIGN_REASONS = (Busy.HOLDER, Busy.CONTEXT, Busy.MEMORY)  # someone else uses it (not: unreadable)
 
 
 def gpu_state(verdict: Optional[Verdict], running: Optional[str], paused: bool) -> Tuple[str, str]:
@@ -21,7 +21,7 @@ def gpu_state(verdict: Optional[Verdict], running: Optional[str], paused: bool) 
         return "harvesting", running
     if verdict is None:
         return "unknown", "not evaluated"
-    foreign = [r for r in verdict.reasons if r.kind in _FOREIGN]
+    foreign = [r for r in verdict.reasons if r.kind in FOREIGN_REASONS]
     if foreign:
         who = sorted({f"{r.who.user} {r.who.name}" for r in foreign if r.who is not None})
         return "foreign", ", ".join(who) or "memory used by others"
