@@ -42,8 +42,14 @@ class History:
         self.next_sample = 0.0
         self.dropped = False
         self.writer = _Writer(settings, self.queue)
-        self.thread = threading.Thread(target=self.writer.run, name="history", daemon=True)
-        self.thread.start()
+        # Started by the first round, not here: a daemon that then fails to take its lock (another one
+        # runs) must not touch the history at all.
+        self.thread: Optional[threading.Thread] = None
+
+    def _start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.writer.run, name="history", daemon=True)
+            self.thread.start()
 
     def _put(self, op: tuple) -> None:
         if self.queue.qsize() > _MAX_QUEUED:
@@ -55,6 +61,7 @@ class History:
 
     def on_round(self, report: RoundReport) -> None:
         """Queue what changed in this round."""
+        self._start()
         wall = report.wall
         self._gpus(report)
         self._states(report, wall)
@@ -107,7 +114,7 @@ class History:
 
     def on_event(self, event: str) -> None:
         """`stopped`: write what is queued and close (a few seconds at most)."""
-        if event == "stopped":
+        if event == "stopped" and self.thread is not None:
             self.queue.put(("close", time.time()))
             self.thread.join(timeout=FLUSH_SECONDS + 5)
 
