@@ -22,14 +22,34 @@ def conf(tmp_path: Path, state: Path) -> Path:
     )
 
 
+_SPAWNED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left():
+    """A failed assertion must not leave a daemon running for the rest of the suite (it once did)."""
+    yield
+    while _SPAWNED:
+        p = _SPAWNED.pop()
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def run(conf_path: Path, sim_path: Path) -> subprocess.Popen:
-    return subprocess.Popen(
+    p = subprocess.Popen(
         [*GPU_MON, "--config", str(conf_path), "--sim", str(sim_path), "run"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+    _SPAWNED.append(p)
+    return p
 
 
 def test_two_daemons_started_together_one_runs(tmp_path, sim):
