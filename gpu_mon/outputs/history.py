@@ -88,9 +88,10 @@ class History:
 
     def _states(self, report: RoundReport, wall: float) -> None:
         uuids = [g.uuid for g in report.snapshot.reading.gpus if g.uuid] or list(self.known_gpus)
-        users = _users_by_gpu(report)
-        for uuid, (state, detail) in gpustate.round_states(report.decision, report.workloads, uuids).items():
-            now = (state, detail, users.get(uuid, "") if state in ("foreign", "harvesting") else "")
+        states = gpustate.round_states(report.decision, report.workloads, uuids)
+        users = _users_by_gpu(report, {u: st for u, (st, _d) in states.items()})
+        for uuid, (state, detail) in states.items():
+            now = (state, detail, users.get(uuid, ""))
             if self.sent_states.get(uuid) != now:
                 self.sent_states[uuid] = now
                 self._put(("state", uuid, *now, wall))
@@ -123,17 +124,19 @@ class History:
         return None
 
 
-def _users_by_gpu(report: RoundReport) -> Dict[str, str]:
-    """The users on each GPU: foreign holders and NVML processes, or our workload's user."""
+def _users_by_gpu(report: RoundReport, state_of: Dict[str, str]) -> Dict[str, str]:
+    """Who is on each GPU: the foreign holders' and NVML processes' users when someone else uses it, our
+    workload's user when it harvests."""
     out: Dict[str, set] = {}
     for h in (*report.snapshot.holders, *report.snapshot.nvml_procs):
         for uuid in h.gpus:
-            if not h.ours:
+            if not h.ours and state_of.get(uuid) == "foreign":
                 out.setdefault(uuid, set()).add(h.user)
     sections = {p.name: p.user for p in report.config.processes}
     for w in report.workloads:
         for uuid in w["gpus"]:
-            out.setdefault(uuid, set()).add(sections.get(w["key"].split("@", 1)[0], ""))
+            if state_of.get(uuid) == "harvesting":
+                out.setdefault(uuid, set()).add(sections.get(w["key"].split("@", 1)[0], ""))
     return {u: ",".join(sorted(x for x in users if x)) for u, users in out.items()}
 
 
