@@ -268,3 +268,47 @@ def test_seed_spelling_and_command_without_double_dash(sim, tmp_path: Path):
         text=True,
     )
     assert r.returncode == 4, r.stderr
+
+
+def test_works_as_a_plain_user(public_dir):
+    """nobody, with the package readable by it and the system interpreter: an idle command is stopped."""
+    import shutil
+
+    from conftest import ROOT
+
+    sim = SimHost(public_dir, 2)
+    code_dir = public_dir / "code"
+    shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (
+        public_dir / "dev",
+        sim.path,
+        *(public_dir / "dev").iterdir(),
+        code_dir,
+        *code_dir.rglob("*"),
+    ):
+        os.chmod(path, 0o755)
+    r = subprocess.run(
+        [
+            "/usr/bin/python3",
+            "-m",
+            "gpu_mon",
+            "--sim",
+            str(sim.path),
+            "watch",
+            *FAST,
+            "--",
+            "sh",
+            "-c",
+            f"sleep 300 < {sim.device(1)}",
+        ],
+        capture_output=True,
+        text=True,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir)},
+        timeout=60,
+    )
+    assert r.returncode == 124, r.stderr
+    assert "subreaper" in r.stderr and "GPU 1 (" in r.stderr
