@@ -262,3 +262,26 @@ def test_a_full_disk_is_logged_once_and_pauses_history(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
     assert len(said) == 1 and "full" in said[0] and "paused" in said[0]
     assert w.conn is None and w.retry_at > time.time() + 60
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "devnull"])
+def test_a_history_path_that_is_not_a_regular_file_is_never_touched(tmp_path, sim, daemon_factory, kind):
+    db = tmp_path / "h.sqlite"
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    os.chmod(target, 0o600)
+    if kind == "symlink":
+        db.symlink_to(target)
+    elif kind == "fifo":
+        os.mkfifo(db)
+    else:
+        db.symlink_to("/dev/null")
+    mode_null = os.stat("/dev/null").st_mode
+    d = daemon_factory(body(tmp_path))
+    d.wait_log(r"history: cannot open .*h\.sqlite .*not a regular file")
+    d.wait_running("w")  # the daemon goes on without history
+    assert os.path.lexists(db) and not list(tmp_path.glob("h.sqlite.bad-*"))
+    assert target.read_text() == "keep me" and os.stat(target).st_mode & 0o777 == 0o600
+    assert os.stat("/dev/null").st_mode == mode_null
+    r = report(d.config_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -48,11 +49,28 @@ class NotOurs(Exception):
     """The file is not a gpu-mon history database (or is damaged); str() says how."""
 
 
+class Unsafe(OSError):
+    """The path is a symlink, a device, a FIFO or the like: never opened, changed or moved aside."""
+
+
+def _regular_or_absent(path: str) -> bool:
+    """True when the path is a regular file, False when nothing is there; Unsafe otherwise (a symlink
+    planted there, /dev/null by mistake: chmod or rename of that as root would break the machine)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise Unsafe(f"{path}: not a regular file (a symlink, device or FIFO is never used)")
+    return True
+
+
 def connect_rw(path: str) -> sqlite3.Connection:
     """Open (creating it and its directory) for the daemon's writer: WAL, synchronous=NORMAL, a busy
-    timeout. NotOurs when the file exists but is damaged or someone else's."""
+    timeout. NotOurs when the file exists but is damaged or someone else's; Unsafe when it is not a
+    regular file."""
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
+    fresh = not _regular_or_absent(path) or os.path.getsize(path) == 0
     conn = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
     try:
         if fresh:
@@ -104,7 +122,7 @@ def migrate(conn: sqlite3.Connection) -> None:
 
 def connect_ro(path: str) -> sqlite3.Connection:
     """Open read-only (works while the daemon writes); NotOurs when it is not a usable history."""
-    if not os.path.exists(path):
+    if not _regular_or_absent(path):  # (a FIFO would hang the open)
         raise FileNotFoundError(path)
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
     try:

@@ -61,7 +61,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise base.CliError(
             f"report: no history yet: {path} does not exist (the daemon writes it)", 1
         ) from None
-    except (historydb.NotOurs, historydb.Error) as err:
+    except (historydb.NotOurs, historydb.Error, OSError) as err:
         raise base.CliError(f"report: {path}: {err}", 1) from None
     with conn:
         if historydb.extent(conn) is None:

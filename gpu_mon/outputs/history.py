@@ -199,6 +199,8 @@ class _Writer:
         path = self.settings.path
         try:
             self.conn = historydb.connect_rw(path)
+        except historydb.Unsafe as err:
+            return self._cannot_open(now, err)
         except historydb.NotOurs as err:
             aside = historydb.move_aside(path, now)
             log.warning(
