@@ -123,6 +123,7 @@ def test_per_process_samples_count_only_the_tree(sim, watches):
 
 
 def test_the_trees_own_samples_keep_it_alive(sim, watches):
+    sim.set(0, utilization_pct=40)  # busy from the first sample (no per-process samples yet)
     done = sim.dir / "done"
     code = f"import os, time\nwhile not os.path.exists({str(done)!r}): time.sleep(0.02)"
     with open(sim.device(0), "rb") as gpu:
