@@ -31,7 +31,11 @@ def draw(conn: object, doc: dict, since: float, until: float, path: str) -> None
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
-        raise base.CliError("report: --plot needs matplotlib: pip install 'gpu-mon[plot]'", 1) from None
+        raise base.CliError(
+            "report: --plot needs matplotlib: pip install 'gpu-mon[plot]' "
+            "(Debian: apt-get install python3-matplotlib)",
+            1,
+        ) from None
     gpus = doc["gpus"]
     spans = historydb.intervals(conn, since, until)  # type: ignore[arg-type]
     yields = historydb.preemptions(conn, since, until)  # type: ignore[arg-type]
