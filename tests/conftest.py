@@ -342,6 +342,23 @@ def public_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def nobody_host(public_dir: Path) -> Tuple[SimHost, Path]:
+    """A simulated host and a copy of the package, both readable by `nobody` (a checkout under /root is
+    not): (the host, the directory to put on PYTHONPATH)."""
+    sim = SimHost(public_dir, 2)
+    code_dir = public_dir / "code"
+    shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (
+        public_dir / "dev",
+        sim.path,
+        *(public_dir / "dev").iterdir(),
+        code_dir,
+        *code_dir.rglob("*"),
+    ):
+        os.chmod(path, 0o755)
+    return sim, code_dir
+
+
 def read_reports(path: Path) -> List[Dict[str, object]]:
     """JSON lines written by tests/workload.py."""
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import GPU_MON, ROOT, SimHost, foreign_opener_cmd, marked, pid_alive, wait_for
+from conftest import GPU_MON, SimHost, foreign_opener_cmd, marked, nobody_host, pid_alive, wait_for
 
 FAST = ["--wait-minutes", "0.02", "--refresh-minutes", "0.002"]  # 1.2 s of free GPUs, a look every 0.12 s
 
@@ -252,19 +251,9 @@ def test_bad_options_exit_2(occ, options, message):
 
 def test_works_as_a_plain_user(public_dir):
     """nobody, with the package readable by it and the system interpreter: on, status, off."""
-    sim = SimHost(public_dir, 2)
-    code_dir = public_dir / "code"
-    shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    sim, code_dir = nobody_host(public_dir)
     home = public_dir / "home"
     home.mkdir()
-    for path in (
-        public_dir / "dev",
-        sim.path,
-        *(public_dir / "dev").iterdir(),
-        code_dir,
-        *code_dir.rglob("*"),
-    ):
-        os.chmod(path, 0o755)
     os.chown(home, 65534, 65534)
     out = public_dir / "gpus"
     env = {

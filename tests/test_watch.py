@@ -273,21 +273,9 @@ def test_seed_spelling_and_command_without_double_dash(sim, tmp_path: Path):
 
 def test_works_as_a_plain_user(public_dir):
     """nobody, with the package readable by it and the system interpreter: an idle command is stopped."""
-    import shutil
+    from conftest import nobody_host
 
-    from conftest import ROOT
-
-    sim = SimHost(public_dir, 2)
-    code_dir = public_dir / "code"
-    shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
-    for path in (
-        public_dir / "dev",
-        sim.path,
-        *(public_dir / "dev").iterdir(),
-        code_dir,
-        *code_dir.rglob("*"),
-    ):
-        os.chmod(path, 0o755)
+    sim, code_dir = nobody_host(public_dir)
     r = subprocess.run(
         [
             "/usr/bin/python3",

@@ -16,6 +16,11 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 EXAMPLE_CONFIGS = ("/usr/share/doc/gpu-mon/examples/gpu_mon.conf", "conf/gpu_mon.conf in the source")
 
 
+def seed_option(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
+    """--arm-duration, and the original tools' --arm_duration, as one option."""
+    p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)  # type: ignore[arg-type]
+
+
 class CliError(Exception):
     """A one-line error with an exit code."""
 

@@ -116,19 +116,19 @@ def spec_from(args: argparse.Namespace) -> OccupySpec:
     )
 
 
-def _option(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
-    p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)  # type: ignore[arg-type]
-
-
 def add_arguments(p: argparse.ArgumentParser, common) -> None:
     """on / off / status (and the hidden `serve`, the background occupier itself)."""
     sub = p.add_subparsers(dest="occupy_command", metavar="on|off|status")
     sub.required = True
     on = sub.add_parser("on", help="wait until the GPUs are idle, then hold them in the background")
     common(on, top=False)
-    _option(on, "gpus", nargs="+", metavar="GPU", help="indices or UUIDs: 0 1, or 0,1 (default: all GPUs)")
-    _option(on, "memory", metavar="AMOUNT", help="per GPU: 20 (GiB), 20GiB, 512MiB or 80%% (default 88%%)")
-    _option(
+    base.seed_option(
+        on, "gpus", nargs="+", metavar="GPU", help="indices or UUIDs: 0 1, or 0,1 (default: all GPUs)"
+    )
+    base.seed_option(
+        on, "memory", metavar="AMOUNT", help="per GPU: 20 (GiB), 20GiB, 512MiB or 80%% (default 88%%)"
+    )
+    base.seed_option(
         on,
         "mem-threshold",
         type=float,
@@ -136,11 +136,15 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
         metavar="GIB",
         help="a GPU is free while others use at most this much of its memory (default 1)",
     )
-    _option(on, "wait-minutes", type=float, default=5.0, metavar="M", help="free this long first (5)")
-    _option(on, "refresh-minutes", type=float, default=0.05, metavar="M", help="look this often (0.05)")
-    _option(on, "compute-min", type=float, default=30.0, metavar="M", help="compute this long (30)")
-    _option(on, "sleep-min", type=float, default=5.0, metavar="M", help="then sleep this long (5)")
-    _option(on, "no-compute", action="store_true", help="hold memory only")
+    base.seed_option(
+        on, "wait-minutes", type=float, default=5.0, metavar="M", help="free this long first (5)"
+    )
+    base.seed_option(
+        on, "refresh-minutes", type=float, default=0.05, metavar="M", help="look this often (0.05)"
+    )
+    base.seed_option(on, "compute-min", type=float, default=30.0, metavar="M", help="compute this long (30)")
+    base.seed_option(on, "sleep-min", type=float, default=5.0, metavar="M", help="then sleep this long (5)")
+    base.seed_option(on, "no-compute", action="store_true", help="hold memory only")
     on.add_argument(
         "--yield",
         dest="polite",

@@ -23,29 +23,34 @@ log = logging.getLogger("gpu_mon")
 _MIN_INTERVAL = 0.1
 
 
-def _option(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
-    """--arm-duration and the seed's --arm_duration for the same option."""
-    p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)  # type: ignore[arg-type]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Seed 001's options (its underscore spellings too)."""
-    _option(p, "arm-duration", type=float, default=30.0, metavar="SEC", help="busy this long to arm (30)")
-    _option(p, "arm-threshold", type=str, default="0.7", metavar="FRAC", help="busy means >= this (0.7)")
-    _option(p, "kill-duration", type=float, default=300.0, metavar="SEC", help="idle this long to act (300)")
-    _option(p, "kill-threshold", type=str, default="0.1", metavar="FRAC", help="idle means < this (0.1)")
-    _option(p, "kill-action", choices=KILL_ACTIONS, default="end_process", help="what to do (end_process)")
-    _option(
+    base.seed_option(
+        p, "arm-duration", type=float, default=30.0, metavar="SEC", help="busy this long to arm (30)"
+    )
+    base.seed_option(
+        p, "arm-threshold", type=str, default="0.7", metavar="FRAC", help="busy means >= this (0.7)"
+    )
+    base.seed_option(
+        p, "kill-duration", type=float, default=300.0, metavar="SEC", help="idle this long to act (300)"
+    )
+    base.seed_option(
+        p, "kill-threshold", type=str, default="0.1", metavar="FRAC", help="idle means < this (0.1)"
+    )
+    base.seed_option(
+        p, "kill-action", choices=KILL_ACTIONS, default="end_process", help="what to do (end_process)"
+    )
+    base.seed_option(
         p,
         "command",
         dest="action_command",
         metavar="CMD",
         help="for --kill-action command: run CMD once (no shell)",
     )
-    _option(p, "gpu-devices", metavar="0,1", help="GPUs by NVML index or UUID (default: all)")
-    _option(p, "aggregate", choices=("mean", "max"), default="mean", help="how GPUs combine (mean)")
+    base.seed_option(p, "gpu-devices", metavar="0,1", help="GPUs by NVML index or UUID (default: all)")
+    base.seed_option(p, "aggregate", choices=("mean", "max"), default="mean", help="how GPUs combine (mean)")
     p.add_argument("--interval", type=float, default=1.0, metavar="SEC", help="seconds per tick (1)")
-    _option(p, "dry-run", action="store_true", help="log what it would do, never do it")
+    base.seed_option(p, "dry-run", action="store_true", help="log what it would do, never do it")
 
 
 def settings_from(args: argparse.Namespace) -> SentinelSection:
