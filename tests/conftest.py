@@ -102,6 +102,24 @@ def marked(marker: str) -> List[int]:
     return out
 
 
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process carrying the marker, until none is left (a test's last resort after a failure).
+
+    One pass is not enough for a fork chain: it has a new pid before the kill lands. So stop, kill, repeat.
+    """
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pids = marked(marker)
+        if not pids:
+            return
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        time.sleep(0.01)
+    raise AssertionError(f"processes marked {marker} survived 10 s of SIGKILL: {marked(marker)}")
+
+
 def foreign_opener_cmd(path: str) -> List[str]:
     """A process that is not ours opening a GPU node, saying `open`, and keeping it (like a CUDA program)."""
     code = "import sys, time; f = open(sys.argv[1]); print('open', flush=True); time.sleep(600)"

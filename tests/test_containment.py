@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import GPU_MON, WORKLOAD_PYTHON, marked, wait_for
+from conftest import GPU_MON, WORKLOAD_PYTHON, kill_marked, marked, wait_for
 
 HOSTILE = Path(__file__).resolve().parent / "hostile.py"
 STOP_TIMEOUT = 1.0
@@ -37,8 +37,7 @@ def cleanup_marked():
     markers: List[str] = []
     yield markers
     for marker in markers:
-        for pid in marked(marker):
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(marker)
 
 
 def _tty(tmp_path: Path) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,16 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import GPU_MON, SimHost, foreign_opener_cmd, marked, nobody_host, pid_alive, wait_for
+from conftest import (
+    GPU_MON,
+    SimHost,
+    foreign_opener_cmd,
+    kill_marked,
+    marked,
+    nobody_host,
+    pid_alive,
+    wait_for,
+)
 
 FAST = ["--wait-minutes", "0.02", "--refresh-minutes", "0.002"]  # 1.2 s of free GPUs, a look every 0.12 s
 
@@ -71,8 +79,7 @@ def occ(sim, tmp_path):
     yield o
     o("off", "--timeout", "10")
     for m in markers:
-        for pid in marked(m):
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(m)
 
 
 def stand_in(occ: Occupy, out: Path) -> List[str]:

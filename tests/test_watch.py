@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import GPU_MON, SimHost, marked, wait_for
+from conftest import GPU_MON, SimHost, kill_marked, marked, wait_for
 
 FAST = ["-s", "0.1", "-n", "3", "-d", "1", "-x"]
 # A process that sleeps and carries a marker in its command line (see conftest.marked).
@@ -71,8 +71,7 @@ def watches():
     for w in made:
         w.kill()
     for m in markers:
-        for pid in marked(m):
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(m)
 
 
 def start(watches, sim, options, argv, stdin=None) -> Watch:
