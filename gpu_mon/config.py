@@ -13,6 +13,7 @@ import math
 import os
 import pwd
 import re
+import signal
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -67,6 +68,7 @@ class Defaults:
     interval_seconds: float = 2.0
     start_delay_seconds: float = 60.0
     stop_timeout_seconds: float = 10.0
+    urgent_stop_timeout_seconds: float = 2.0
     restart_delay_seconds: float = 10.0
     restart_delay_max_seconds: float = 600.0
     healthy_run_seconds: float = 60.0
@@ -116,6 +118,11 @@ class ProcessSection:
     home: str = "/"
     env: Tuple[Tuple[str, str], ...] = ()
     per_gpu: bool = False
+    # How it is stopped (engine/workloads/stopping.py): None means [defaults]'. Not in the fingerprint: a
+    # reload applies them to running workloads without a restart.
+    stop_signal: int = signal.SIGTERM
+    stop_timeout_seconds: Optional[float] = None
+    urgent_stop_timeout_seconds: Optional[float] = None
     line: int = 0
     fingerprint: Tuple[Tuple[str, str], ...] = ()  # the raw keys and values: a reload restarts on change
     # Not in the INI file (`gpu-mon occupy` only). together: per_gpu copies start only when all the
@@ -509,6 +516,7 @@ def _defaults(sec: _Section, base: str) -> Defaults:
         "interval_seconds": _at_least(MIN_INTERVAL_SECONDS),
         "start_delay_seconds": _seconds,
         "stop_timeout_seconds": _positive_seconds,
+        "urgent_stop_timeout_seconds": _positive_seconds,
         "restart_delay_seconds": _at_least(MIN_RESTART_DELAY_SECONDS),
         "restart_delay_max_seconds": _seconds,
         "healthy_run_seconds": _seconds,
@@ -604,6 +612,31 @@ def _resolve_user(sec: _Section, values: Dict[str, Tuple[object, int]], warn: Li
     return out
 
 
+_STOP_KEYS = ("stop_signal", "stop_timeout_seconds", "urgent_stop_timeout_seconds")
+# Signals a workload may be asked to stop with: the ones a program can catch and that mean "please end"
+# somewhere (SIGUSR1: PyTorch Lightning's and Slurm's checkpoint-and-requeue convention).
+STOP_SIGNALS = (
+    "SIGTERM",
+    "SIGINT",
+    "SIGHUP",
+    "SIGQUIT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGALRM",
+    "SIGWINCH",
+    "SIGPWR",
+)
+
+
+def stop_signal(value: str) -> int:
+    """`SIGUSR1`, `USR1` or `usr1` -> its number; ValueError for one a workload cannot be stopped with."""
+    name = value.strip().upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    if name not in STOP_SIGNALS or not hasattr(signal, name):
+        raise ValueError(f"{value!r} is not one of {', '.join(STOP_SIGNALS)}")
+    return int(getattr(signal, name))
+
+
 def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[ProcessSection]:
     schema: Dict[str, Callable[[str], object]] = {
         "cmd": _command,
@@ -614,6 +647,9 @@ def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[Proc
         "group": str,
         "env": _env,
         "per_gpu": _bool,
+        "stop_signal": stop_signal,
+        "stop_timeout_seconds": _positive_seconds,
+        "urgent_stop_timeout_seconds": _positive_seconds,
         # Seed compatibility: nothing else; unknown keys are errors.
     }
     values = sec.parse(schema)
@@ -624,7 +660,7 @@ def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[Proc
         return None
     fields = {k: v for k, (v, _) in values.items() if k not in ("user", "group")}
     fields.update(who)
-    fingerprint = tuple(sorted((k, v) for k, v, _ in sec.raw.items))
+    fingerprint = tuple(sorted((k, v) for k, v, _ in sec.raw.items if k not in _STOP_KEYS))
     return ProcessSection(
         name=sec.raw.name[len("process-") :], line=sec.raw.line, fingerprint=fingerprint, **fields
     )

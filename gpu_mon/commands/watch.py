@@ -125,12 +125,13 @@ class Watcher:
     def __init__(self, args: argparse.Namespace, argv: List[str], backend: Backend):
         from gpu_mon.engine.loop import Loop
         from gpu_mon.engine.workloads import cgroups, linux
+        from gpu_mon.engine.workloads.stopping import StopRule
         from gpu_mon.engine.workloads.supervisor import Supervisor
 
         self.args, self.argv, self.backend = args, argv, backend
         self.loop = Loop()
         with_cgroup, self.containment = cgroups.choose("auto", os.getpid())
-        self.supervisor = Supervisor(self.loop.selector, args.grace, with_cgroup)
+        self.supervisor = Supervisor(self.loop.selector, StopRule(grace=args.grace), with_cgroup)
         self.window = IdleWindow(args.threshold, args.samples, args.delay)
         self.linux = linux
         self.idle_stopped = False

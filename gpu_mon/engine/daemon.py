@@ -28,7 +28,7 @@ from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.opens import OpenWatch
 from gpu_mon.engine.reload import Reloader
-from gpu_mon.engine.workloads import cgroups, linux
+from gpu_mon.engine.workloads import cgroups, linux, stopping
 from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
 
 log = logging.getLogger("gpu_mon")
@@ -62,7 +62,7 @@ class Daemon:
         self.loop.listeners.extend(listeners)
         self.observer = Observer(backend, wall=wall)
         self.opens = OpenWatch(self.observer)
-        self.supervisor = Supervisor(self.loop.selector, config.defaults.stop_timeout_seconds)
+        self.supervisor = Supervisor(self.loop.selector, stopping.rule_for(None, config.defaults))
         self.reloader = Reloader(self.loop.poke)
         self.idle: Optional[DaemonSentinel] = None
         self.idle_track = idleholders.IdleTrack({}, {})
@@ -335,12 +335,27 @@ class Daemon:
                 w = self.supervisor.workloads.get(action.key)
                 if w is not None:
                     why = words.stop(action, plan.index_of)
-                    self.supervisor.stop(action.key, why, now)
-                    if action.busy and action.busy[0][1].kind in gpustate.FOREIGN_REASONS:
-                        self._yield_started(action, w.label)  # a preemption (not: the GPU went unreadable)
+                    # A foreign process opened the GPU (not: it went unreadable): it is about to allocate.
+                    urgent = bool(action.busy) and action.busy[0][1].kind in gpustate.FOREIGN_REASONS
+                    self.supervisor.stop(action.key, why, now, urgent=urgent)
+                    if urgent:
+                        self._yield_started(action, w.label)  # a preemption
                     self._say(f"{why}; stopping {w.label}[{w.pid}]")
             elif isinstance(action, Start) and not self.stopping:
                 self._start(action, plan, now)
+        self._hurry(decision, now)
+
+    def _hurry(self, decision: Decision, now: float) -> None:
+        """A workload stopping with the full grace (a terminal user, a reload) whose GPU a foreign process
+        has now opened: the rest of its stop gets the urgent grace."""
+        for w in self.supervisor.workloads.values():
+            if not w.stopping or w.urgent:
+                continue
+            for uuid in w.instance.gpus:
+                v = decision.verdicts.get(uuid)
+                if v is not None and v.busy and v.reasons and v.reasons[0].kind in gpustate.FOREIGN_REASONS:
+                    self.supervisor.hurry(w)
+                    break
 
     def _yield_started(self, stop: Stop, label: str) -> None:
         uuid, reason = stop.busy[0]
@@ -396,7 +411,8 @@ class Daemon:
         section = policy.processes_by_name(self.config)[inst.process]
         label = inst.label(plan.index_of)
         try:
-            w = self.supervisor.start(inst, section, label, now)
+            rule = stopping.rule_for(section, self.config.defaults)
+            w = self.supervisor.start(inst, section, label, now, rule)
         except StartError as err:
             self._say(f"cannot start {label}: {err}", logging.ERROR)
             self.supervisor.failed_to_start(inst.key, now, str(err))
@@ -517,8 +533,10 @@ class Daemon:
             self.opens.rewatch()
         self.plan = None
         self.reported_problems.clear()
-        self.supervisor.set_stop_timeout(new.defaults.stop_timeout_seconds)
+        self.supervisor.rule = stopping.rule_for(None, new.defaults)
         for key, w in list(self.supervisor.workloads.items()):
+            if w.instance.process in fresh:
+                self.supervisor.set_rule(key, stopping.rule_for(fresh[w.instance.process], new.defaults))
             if w.instance.process in changed:
                 self.supervisor.stop(key, "config changed", now)
                 self._say(f"config changed for [process-{w.instance.process}]; restarting {w.label}")

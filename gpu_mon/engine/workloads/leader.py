@@ -3,13 +3,16 @@
 Why it exists: PR_SET_PDEATHSIG reaches only the direct child of a dying process, so if gpu_mon is killed
 (even by SIGKILL) someone must take the workload's grandchildren down with it. The leader is the session and
 process-group leader of its workload and a child subreaper (orphaned descendants come back to it, so even
-those that escaped with setsid are found); it gets SIGTERM when the daemon dies, and it never exits while a
-descendant lives, so the daemon can always signal the group by the leader's pid without PID reuse.
+those that escaped with setsid are found); it gets DAEMON_GONE when the daemon dies, and it never exits while
+a descendant lives, so the daemon can always signal the group by the leader's pid without PID reuse.
 
-Stopping: SIGTERM (and SIGCONT, for stopped ones) to every descendant, then after the stop timeout SIGKILL:
-with a cgroup (the daemon moved the leader into the workload's group before sending the spec) by writing
-`cgroup.kill`, which takes the leader too; without one, by killing every descendant again and again until
-none is left.
+Stopping: while the daemon lives it drives a stop (stopping.py): the workload's `stop_signal` to the main
+process group (the leader leaves it blocked), then SIGTERM, which the leader also passes (with SIGCONT, for
+stopped ones) to every descendant, then SIGKILL. The leader's own SIGKILL comes a second after the daemon's,
+as a backstop. When the daemon has died (the leader gets DAEMON_GONE as its parent-death signal), the leader
+runs the same steps itself with the full grace. SIGKILL: with a cgroup (the daemon moved the leader into the
+workload's group before sending the spec) by writing `cgroup.kill`, which takes the leader too; without one,
+by killing every descendant again and again until none is left.
 
 Protocol: the daemon writes a JSON spec to the leader's stdin and closes it; the leader reports on the
 status fd named in the spec, one line each: `started PID`, `exit STATUS` (the command's wait status, when it
@@ -32,10 +35,26 @@ from typing import Optional
 
 from gpu_mon.engine.workloads import cgroups, linux
 
-_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD}
-# Blocked and never taken, so a stray signal cannot kill the leader and orphan its workload; the command
-# gets them unblocked again.
-_STRAY = {signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGQUIT, signal.SIGPIPE}
+# The parent-death signal: only the kernel sends it, when the daemon's thread that started us exits (the
+# daemon is dying). A real-time signal, so that it is never a workload's stop_signal sent to the group, nor
+# the daemon's SIGTERM step: asking whether the daemon is alive (getppid) instead was racy, as the kernel
+# hands us to the dying daemon's other threads first.
+DAEMON_GONE = signal.SIGRTMIN
+_SIGNALS = {signal.SIGTERM, signal.SIGCHLD, DAEMON_GONE}
+# Blocked and never taken, so a stray signal cannot kill the leader and orphan its workload, and a workload's
+# stop_signal sent to its process group reaches the command only; the command gets them unblocked again.
+_STRAY = {
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGQUIT,
+    signal.SIGPIPE,
+    signal.SIGWINCH,
+    signal.SIGPWR,
+}
+_TERM_STEP_SECONDS = 1.0  # as stopping.TERM_STEP_SECONDS (not imported: the leader starts on little)
 
 
 class Leader:
@@ -45,6 +64,8 @@ class Leader:
         self.spec = spec
         self.status_fd: int = int(spec["status_fd"])
         self.stop_timeout: float = float(spec["stop_timeout_seconds"])
+        self.stop_signal = int(spec.get("stop_signal", signal.SIGTERM))
+        self.term_pending = False  # the stop signal was not SIGTERM: SIGTERM comes when its grace is over
         self.cgroup: Optional[str] = spec.get("cgroup")
         self.child: Optional[subprocess.Popen] = None
         self.main_status: Optional[int] = None
@@ -86,16 +107,37 @@ class Leader:
         self.report(f"started {self.child.pid}")
         return None
 
-    def begin_stop(self) -> None:
-        """SIGTERM, then SIGCONT (a stopped process must wake to see it), to every descendant."""
+    def begin_stop(self, daemon_alive: bool = True) -> None:
+        """SIGTERM, then SIGCONT (a stopped process must wake to see it), to every descendant; or, when the
+        daemon has died and the workload has a stop signal of its own, that signal to the group first."""
         if self.deadline is None:
             # While the daemon lives it escalates (and says so); we follow a second later, as a backstop.
-            daemon_alive = os.getppid() == int(self.spec["daemon_pid"])
             backstop = 1.0 if daemon_alive and self.main_status is None else 0.0
             self.deadline = time.monotonic() + self.stop_timeout + backstop
+            if not daemon_alive and self.main_status is None and self.stop_signal != signal.SIGTERM:
+                self.term_pending = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(os.getpid(), self.stop_signal)
+                    os.killpg(os.getpid(), signal.SIGCONT)
+                return
+        elif not daemon_alive:
+            return  # told again (the kernel signals once per dying thread of the daemon): nothing new
+        self.term_all()
+
+    def term_all(self) -> None:
+        """SIGTERM and SIGCONT to every descendant."""
         me = os.getpid()
         linux.kill_tree(me, signal.SIGTERM)
         linux.kill_tree(me, signal.SIGCONT)
+
+    def overdue(self) -> None:
+        """The deadline has passed: SIGTERM after a stop signal's grace, else SIGKILL (again every 0.2 s)."""
+        if self.term_pending:
+            self.term_pending = False
+            self.term_all()
+            self.deadline = time.monotonic() + min(_TERM_STEP_SECONDS, self.stop_timeout)
+        else:
+            self.kill_all()
 
     def kill_all(self) -> None:
         """The stop timeout is over: SIGKILL everything (with a cgroup, the leader goes with it)."""
@@ -122,7 +164,8 @@ class Leader:
         """Wait for signals and children until nothing of the workload is left; return the exit code."""
         while True:
             have_children = self.reap()
-            if self.main_status is not None and self.deadline is None:
+            if self.main_status is not None and (self.deadline is None or self.term_pending):
+                self.term_pending = False
                 self.begin_stop()  # the command ended: its leftovers must not keep the GPU
             if not have_children:
                 break
@@ -130,15 +173,16 @@ class Leader:
             if self.deadline is not None:
                 timeout = self.deadline - time.monotonic()
                 if timeout <= 0:
-                    self.kill_all()  # again every 0.2 s until nothing is left
-                    timeout = 0.2
+                    step_was_term = self.term_pending
+                    self.overdue()
+                    timeout = max(0.0, self.deadline - time.monotonic()) if step_was_term else 0.2
             info = (
                 signal.sigtimedwait(_SIGNALS, timeout)
                 if timeout is not None
                 else signal.sigwaitinfo(_SIGNALS)
             )
             if info is not None and info.si_signo != signal.SIGCHLD:
-                self.begin_stop()
+                self.begin_stop(daemon_alive=info.si_signo != DAEMON_GONE)
         return _exit_code(self.main_status)
 
 
@@ -161,7 +205,7 @@ def main() -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGTERM)
+    linux.prctl(linux.PR_SET_PDEATHSIG, DAEMON_GONE)
     if os.getppid() != int(spec["daemon_pid"]):
         return 1  # the daemon died before we could ask to be told; there is nothing to run for
     linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)

@@ -15,6 +15,7 @@ left.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from gpu_mon.api.text import sanitize
 from gpu_mon.config import ProcessSection
 from gpu_mon.engine.decisions import Instance
 from gpu_mon.engine.workloads import cgroups, linux
+from gpu_mon.engine.workloads.stopping import StopRule, signal_name
 
 log = logging.getLogger("gpu_mon")
 
@@ -83,7 +85,12 @@ class Workload:
     cgroup: Optional[str] = None
     stopping: bool = False
     stop_reason: str = ""
+    rule: StopRule = dataclasses.field(default_factory=StopRule)
+    urgent: bool = False  # the stop has the urgent grace (a foreign process opened the GPU)
+    steps: List[Tuple[int, float]] = dataclasses.field(default_factory=list)  # (signal, wait) still to come
+    sent: List[int] = dataclasses.field(default_factory=list)  # the signals of the stop sent so far
     stop_sent_at: Optional[float] = None
+    step_at: Optional[float] = None
     kill_at: Optional[float] = None
     killed: bool = False
     exit_status: Optional[int] = None  # the command's wait status, as the leader reported it
@@ -124,11 +131,11 @@ class Supervisor:
     def __init__(
         self,
         selector: selectors.BaseSelector,
-        stop_timeout: float,
+        rule: StopRule,
         cgroup_tree: Optional[cgroups.CgroupTree] = None,
     ):
         self.selector = selector
-        self.stop_timeout = stop_timeout
+        self.rule = rule  # for workloads started without one of their own
         self.cgroup_tree = cgroup_tree
         self.workloads: Dict[str, Workload] = {}
         self.exits: List[Exited] = []
@@ -140,9 +147,11 @@ class Supervisor:
         """Give each workload started from now on a cgroup under `tree` (None: the subreaper only)."""
         self.cgroup_tree = tree
 
-    def set_stop_timeout(self, seconds: float) -> None:
-        """SIGTERM to SIGKILL, for stops from now on."""
-        self.stop_timeout = seconds
+    def set_rule(self, key: str, rule: StopRule) -> None:
+        """How this workload's next stop goes (a reload changed its section's stop settings)."""
+        w = self.workloads.get(key)
+        if w is not None:
+            w.rule = rule
 
     def failed_to_start(self, key: str, now: float, detail: str) -> None:
         """Record a start that failed before any process ran, as an exit (so that it backs off)."""
@@ -156,7 +165,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------ starting
 
-    def start(self, instance: Instance, section: ProcessSection, label: str, now: float) -> Workload:
+    def start(
+        self, instance: Instance, section: ProcessSection, label: str, now: float, rule: StopRule
+    ) -> Workload:
         """Spawn the instance's leader; raise StartError with one line if that is impossible."""
         switch_user = os.geteuid() == 0
         section = _runnable(section, switch_user)
@@ -170,10 +181,13 @@ class Supervisor:
             switch_user=switch_user,
             log=section.log,
         )
-        return self.launch(instance, launch, label, now)
+        return self.launch(instance, launch, label, now, rule)
 
-    def launch(self, instance: Instance, launch: Launch, label: str, now: float) -> Workload:
+    def launch(
+        self, instance: Instance, launch: Launch, label: str, now: float, rule: Optional[StopRule] = None
+    ) -> Workload:
         """Spawn a leader that runs `launch`, contained like every workload; StartError if impossible."""
+        rule = rule or self.rule
         if launch.stdio is None:
             out_fd, write_fd = _output(launch.log)
             stdio = (write_fd, write_fd, write_fd)
@@ -204,7 +218,8 @@ class Supervisor:
             "status_fd": status_w,
             "stdin_fd": stdio[0] if launch.stdio is not None else None,
             "daemon_pid": self.own_pid,
-            "stop_timeout_seconds": self.stop_timeout,
+            "stop_signal": rule.signal,
+            "stop_timeout_seconds": rule.grace,
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
             "cgroup": self._contain(popen.pid, label),
         }
@@ -218,6 +233,7 @@ class Supervisor:
             out_fd=out_fd,
             started_at=now,
             cgroup=spec["cgroup"],
+            rule=rule,
         )
         self._register(w)
         return w
@@ -242,16 +258,37 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stopping
 
-    def stop(self, key: str, reason: str, now: float) -> None:
-        """SIGTERM to the whole process group now; SIGKILL after the stop timeout (see `tick`)."""
+    def stop(self, key: str, reason: str, now: float, urgent: bool = False) -> None:
+        """The workload's stop signal to its main process group now; the next step (SIGTERM, SIGKILL) when
+        its grace is over (see `tick`, stopping.py). A stop under way that becomes urgent is hurried."""
         w = self.workloads.get(key)
-        if w is None or w.stopping:
+        if w is None:
             return
-        w.stopping, w.stop_reason = True, reason
+        if w.stopping:
+            if urgent:
+                self.hurry(w)
+            return
+        w.stopping, w.stop_reason, w.urgent = True, reason, urgent
         w.stop_sent_at = now
-        w.kill_at = now + self.stop_timeout
-        _killpg(w.pid, signal.SIGTERM)
-        _killpg(w.pid, signal.SIGCONT)  # a stopped process sees its SIGTERM only once it runs
+        w.steps = list(w.rule.steps(urgent))
+        self._next_step(w, now)
+
+    def hurry(self, w: Workload) -> None:
+        """The rest of a stop under way gets the urgent graces (counted from when each step began)."""
+        if w.urgent or w.killed or w.step_at is None or w.kill_at is None:
+            return
+        w.urgent = True
+        urgent = w.rule.steps(True)
+        at = len(w.sent) - 1
+        w.kill_at = min(w.kill_at, w.step_at + urgent[at][1])
+        w.steps = list(urgent[at + 1 :])
+
+    def _next_step(self, w: Workload, now: float) -> None:
+        sig, wait = w.steps.pop(0)
+        w.sent.append(sig)
+        w.step_at, w.kill_at = now, now + wait
+        _killpg(w.pid, sig)
+        _killpg(w.pid, signal.SIGCONT)  # a stopped process sees its signal only once it runs
 
     def stop_all(self, reason: str, now: float) -> None:
         """Stop every workload."""
@@ -267,12 +304,16 @@ class Supervisor:
         for w in self.workloads.values():
             if w.kill_at is None or now < w.kill_at:
                 continue
+            if w.steps and not w.killed:
+                self._next_step(w, now)
+                continue
             if not w.killed:
                 log.warning(
-                    "%s[%d] still running %.1f s after SIGTERM; killing every process it started (%s)",
+                    "%s[%d] still running %.1f s after %s; killing every process it started (%s)",
                     w.label,
                     w.pid,
-                    self.stop_timeout,
+                    now - (w.step_at or now),
+                    signal_name(w.sent[-1]) if w.sent else "SIGTERM",
                     "cgroup.kill" if w.cgroup else "SIGKILL to each descendant",
                 )
             elif not w.cgroup:
@@ -320,9 +361,7 @@ class Supervisor:
         if code == -signal.SIGKILL and w.exit_status is not None:
             returncode = _status_code(w.exit_status)  # cgroup.kill took the leader after the command ended
         if w.stopping and w.stop_sent_at is not None:
-            took = now - w.stop_sent_at
-            how = f"by SIGKILL after {took:.1f} s" if w.killed else f"in {took * 1000:.0f} ms (SIGTERM)"
-            log.info("%s[%d] stopped %s", w.label, w.pid, how)
+            log.info("%s[%d] stopped %s", w.label, w.pid, _how_stopped(w, now - w.stop_sent_at))
         ex = Exited(
             key=key,
             started_at=w.started_at,
@@ -517,8 +556,6 @@ def _send_spec(popen: subprocess.Popen, spec: dict) -> None:
 
 
 def _as_current_user(section: ProcessSection) -> ProcessSection:
-    import dataclasses
-
     pw = pwd.getpwuid(os.geteuid())
     return dataclasses.replace(
         section,
@@ -528,6 +565,17 @@ def _as_current_user(section: ProcessSection) -> ProcessSection:
         home=pw.pw_dir,
         groups=tuple(os.getgroups()),
     )
+
+
+def _how_stopped(w: Workload, took: float) -> str:
+    """`in 84 ms (SIGTERM)`, `in 2300 ms (SIGTERM after SIGUSR1)`, `by SIGKILL after 10.0 s`: the step that
+    ended it."""
+    names = [signal_name(s) for s in w.sent]
+    if w.killed:
+        return f"by SIGKILL after {took:.1f} s" + (f" ({', '.join(names)} first)" if names[:-1] else "")
+    last = names[-1] if names else "SIGTERM"
+    earlier = f" after {', '.join(names[:-1])}" if len(names) > 1 else ""
+    return f"in {took * 1000:.0f} ms ({last}{earlier})"
 
 
 def _killpg(pgid: int, sig: int) -> None:

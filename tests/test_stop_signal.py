@@ -1,0 +1,219 @@
+"""A checkpoint-friendly stop: stop_signal, the full grace for a terminal user, a reload or a shutdown, the
+urgent grace when a foreign process opens the GPU; README's example workload (examples/checkpoint_workload.py)
+run under the daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from conftest import ROOT, WORKLOAD_PYTHON, foreign_opener_cmd, pid_alive, wait_for
+
+from gpu_mon import config
+from gpu_mon.engine.workloads.stopping import StopRule, rule_for
+
+EXAMPLE = ROOT / "examples" / "checkpoint_workload.py"
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_stop_settings_parse_per_process_over_defaults():
+    c = config.parse(
+        "[defaults]\nstop_timeout_seconds = 30\nurgent_stop_timeout_seconds = 3\n"
+        "[gpu-a]\ngpus = ALL\n"
+        "[process-a]\ncmd = a\nuser = root\nstop_signal = usr1\nstop_timeout_seconds = 60\n"
+        "[process-b]\ncmd = b\nuser = root\nstop_signal = SIGINT\nurgent_stop_timeout_seconds = 0.5\n"
+        "[process-c]\ncmd = c\nuser = root\n"
+    )
+    a, b, c_ = (rule_for(p, c.defaults) for p in c.processes)
+    assert a == StopRule(signal.SIGUSR1, 60.0, 3.0)
+    assert b == StopRule(signal.SIGINT, 30.0, 0.5)
+    assert c_ == StopRule(signal.SIGTERM, 30.0, 3.0)
+
+
+def test_steps():
+    usr1 = StopRule(signal.SIGUSR1, 60.0, 2.0)
+    assert usr1.steps(urgent=False) == ((signal.SIGUSR1, 60.0), (signal.SIGTERM, 1.0))
+    assert usr1.steps(urgent=True) == ((signal.SIGUSR1, 2.0), (signal.SIGTERM, 1.0))
+    # The urgent grace is never longer than the full one; SIGTERM alone is one step.
+    assert StopRule(signal.SIGTERM, 1.0, 2.0).steps(urgent=True) == ((signal.SIGTERM, 1.0),)
+    short = StopRule(signal.SIGINT, 0.5, 2.0)
+    assert short.steps(urgent=False) == ((signal.SIGINT, 0.5), (signal.SIGTERM, 0.5))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("SIGKILL", "'SIGKILL' is not one of SIGTERM, SIGINT"),
+        ("9", "'9' is not one of"),
+        ("SIGSTOP", "is not one of"),
+        ("", "is not one of"),
+        ("USR3", "is not one of"),
+    ],
+)
+def test_a_bad_stop_signal_is_one_line_with_its_place(value, message):
+    with pytest.raises(config.ConfigError) as err:
+        text = f"[gpu-a]\ngpus = ALL\n[process-a]\ncmd = a\nuser = root\nstop_signal = {value}\n"
+        config.parse(text, "f.conf")
+    assert len(err.value.errors) == 1
+    assert err.value.errors[0].startswith("f.conf:6: [process-a] stop_signal: ")
+    assert message in err.value.errors[0]
+
+
+def test_stop_settings_are_not_in_the_fingerprint():
+    base = "[gpu-a]\ngpus = ALL\n[process-a]\ncmd = a\nuser = root\n"
+    one = config.parse(base).processes[0]
+    two = config.parse(base + "stop_signal = USR1\nstop_timeout_seconds = 99\n").processes[0]
+    assert one.fingerprint == two.fingerprint  # a reload applies them without restarting the workload
+
+
+# ---------------------------------------------------------------------------------------------- daemon
+
+
+def _tty(tmp_path: Path) -> Path:
+    term = tmp_path / "pts" / "3"
+    term.parent.mkdir()
+    term.touch()
+    os.chown(term, 65534, 65534)
+    old = time.time() - 3600
+    os.utime(term, (old, old))
+    return term
+
+
+def _body(
+    tmp_path: Path, ckpt: Path, save_seconds: float, extra: str = "", term: Optional[Path] = None
+) -> str:
+    script = tmp_path / "checkpoint_workload.py"
+    shutil.copy(EXAMPLE, script)
+    tty = f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n" if term else ""
+    return (
+        "[gpu-all]\ngpus = ALL\n\n[process-train]\n"
+        f"cmd = {WORKLOAD_PYTHON} {script} {ckpt} --save-seconds {save_seconds}\n"
+        f"gpus = 0\nuser = root\n{extra}{tty}"
+    )
+
+
+def _stopped(d) -> tuple:
+    """(milliseconds, the step's signals) of the first `stopped in` line."""
+    line = d.wait_log(r"train\[\d+\] stopped (in|by)")[0]
+    m = re.search(r"stopped in (\d+) ms \(([A-Z0-9, ]+?)(?: after ([A-Z0-9, ]+))?\)", line)
+    assert m, line
+    return int(m.group(1)), m.group(2), m.group(3)
+
+
+LONG = {"stop_timeout_seconds": 20, "restart_delay_seconds": 300, "restart_delay_max_seconds": 300}
+
+
+def test_a_terminal_user_gives_the_full_grace_and_the_checkpoint_is_complete(tmp_path, sim, daemon_factory):
+    ckpt = tmp_path / "ckpt.json"
+    term = _tty(tmp_path)
+    # Saving takes 3 s: longer than the urgent grace (2 s), well within stop_timeout (20 s).
+    d = daemon_factory(_body(tmp_path, ckpt, 3.0, "stop_signal = SIGUSR1\n", term), defaults=LONG)
+    d.wait_log(r"train\[\d+\]: resuming at step 0")
+    wait_for(lambda: d.workload("train").get("command_pid"), what="the command's pid")
+    os.utime(term, None)  # a terminal user arrives
+    ms, sig, after = _stopped(d)
+    assert (sig, after) == ("SIGUSR1", None)
+    assert 3000 <= ms < 20000
+    saved = json.loads(ckpt.read_text())
+    assert saved["complete"] is True and saved["step"] > 0
+    assert "checkpoint saved" in d.log()
+
+
+def test_a_foreign_open_gives_the_urgent_grace(tmp_path, sim, daemon_factory):
+    ckpt = tmp_path / "ckpt.json"
+    ckpt.write_text('{"step": 7, "complete": true}\n')
+    # Saving would take 60 s: the urgent stop cannot wait for it. The old checkpoint must stay whole.
+    d = daemon_factory(_body(tmp_path, ckpt, 60.0, "stop_signal = SIGUSR1\n"), defaults=LONG)
+    d.wait_log(r"train\[\d+\]: resuming at step 7")
+    wait_for(lambda: d.workload("train").get("command_pid"), what="the command's pid")
+    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE)
+    try:
+        ms, sig, after = _stopped(d)
+    finally:
+        opener.kill()
+        opener.wait()
+    assert (sig, after) == ("SIGTERM", "SIGUSR1")
+    # SIGUSR1, then SIGTERM when the 2 s urgent grace is over (not the 20 s of stop_timeout_seconds).
+    assert 2000 <= ms < 5000
+    assert json.loads(ckpt.read_text()) == {"step": 7, "complete": True}
+
+
+def test_a_stop_under_way_is_hurried_by_a_foreign_open(tmp_path, sim, daemon_factory):
+    ckpt = tmp_path / "ckpt.json"
+    term = _tty(tmp_path)
+    d = daemon_factory(_body(tmp_path, ckpt, 60.0, "stop_signal = SIGUSR1\n", term), defaults=LONG)
+    d.wait_log(r"train\[\d+\]: resuming at step 0")
+    wait_for(lambda: d.workload("train").get("command_pid"), what="the command's pid")
+    os.utime(term, None)  # the full grace (20 s) begins
+    d.wait_log(r"pausing all work")
+    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE)
+    try:
+        ms, sig, after = _stopped(d)
+    finally:
+        opener.kill()
+        opener.wait()
+    assert (sig, after) == ("SIGTERM", "SIGUSR1")
+    assert ms < 10000
+
+
+def test_a_workload_that_ignores_every_signal_gets_each_step_then_sigkill(tmp_path, sim, daemon_factory):
+    code = (
+        "import signal, time\n"
+        "for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)\n"
+        "print('deaf', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    script = tmp_path / "deaf.py"
+    script.write_text(code)
+    body = (
+        "[gpu-all]\ngpus = ALL\n\n[process-train]\n"
+        f"cmd = {WORKLOAD_PYTHON} {script}\ngpus = 0\nuser = root\n"
+        "stop_signal = INT\nstop_timeout_seconds = 1\n"
+    )
+    d = daemon_factory(body, defaults=LONG)
+    d.wait_log(r"train\[\d+\]: deaf")
+    pid = d.wait_running("train")
+    d.signal(signal.SIGTERM)  # a shutdown: the full grace (1 s), then SIGTERM (1 s), then SIGKILL
+    assert d.proc.wait(30) == 0
+    line = d.wait_log(r"train\[\d+\] stopped by SIGKILL")[0]
+    assert re.search(r"after 2\.\d s \(SIGINT, SIGTERM first\)", line), line
+    assert re.search(r"still running 1\.\d s after SIGTERM", d.log())
+    assert not pid_alive(pid)
+
+
+def test_the_leader_stops_with_the_stop_signal_when_the_daemon_is_killed(tmp_path, sim, daemon_factory):
+    ckpt = tmp_path / "ckpt.json"
+    d = daemon_factory(_body(tmp_path, ckpt, 0.0, "stop_signal = SIGUSR1\n"), defaults=LONG)
+    d.wait_log(r"train\[\d+\]: resuming at step 0")
+    pid = d.wait_running("train")
+    d.proc.kill()
+    d.proc.wait()
+    wait_for(lambda: ckpt.exists(), timeout=10, what="the checkpoint the workload saves on SIGUSR1")
+    assert json.loads(ckpt.read_text())["complete"] is True
+    wait_for(lambda: not pid_alive(pid), timeout=10, what="the workload gone")
+
+
+def test_a_reload_changes_the_stop_signal_without_a_restart(tmp_path, sim, daemon_factory):
+    ckpt = tmp_path / "ckpt.json"
+    d = daemon_factory(_body(tmp_path, ckpt, 0.0), defaults=LONG)
+    d.wait_log(r"train\[\d+\]: resuming at step 0")
+    pid = d.wait_running("train")
+    d.write_config(d.body + "stop_signal = SIGUSR1\n")
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"reloaded .*no workload changed")
+    assert d.wait_running("train") == pid
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    _ms, sig, after = _stopped(d)
+    assert (sig, after) == ("SIGUSR1", None)
+    assert json.loads(ckpt.read_text())["complete"] is True
