@@ -14,6 +14,7 @@ import os
 import pwd
 import re
 import signal
+import socket
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -151,6 +152,23 @@ class HistorySection:
     sample_seconds: float = 60.0
 
 
+@dataclass(frozen=True)
+class MetricsSection:
+    """The [metrics] section (outputs/metrics.py): a textfile for node-exporter, an HTTP endpoint, or both."""
+
+    textfile: Optional[str] = None
+    listen: Optional[Tuple[str, int]] = None  # (address, port); a bare port is 127.0.0.1
+    line: int = 0
+
+    @property
+    def listen_text(self) -> str:
+        """`127.0.0.1:9842`, `[::1]:9842`."""
+        if self.listen is None:
+            return ""
+        host, port = self.listen
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 KILL_ACTIONS = ("end_process", "shutdown", "reboot", "command")
 
 
@@ -183,6 +201,7 @@ class Config:
     tty: TtySection = TtySection()
     sentinel: Optional[SentinelSection] = None  # off unless the section is written
     history: HistorySection = HistorySection()
+    metrics: Optional[MetricsSection] = None  # off unless the section is written
     warnings: Tuple[str, ...] = ()
 
 
@@ -711,6 +730,46 @@ def _history_section(sec: _Section, base: str) -> HistorySection:
     return HistorySection(**{k: v for k, (v, _) in values.items()})
 
 
+def listen_address(value: str) -> Tuple[str, int]:
+    """`PORT` (127.0.0.1), `ADDRESS:PORT` or `[IPV6]:PORT` with an IP address (or localhost)."""
+    text = value.strip()
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        host, port_text = "127.0.0.1", text
+    elif host.lower() == "localhost":
+        host = "127.0.0.1"
+    elif host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if not _is_ip(host, socket.AF_INET6):
+            raise ValueError(f"{value!r}: {host!r} is not an IPv6 address")
+    elif not _is_ip(host, socket.AF_INET):
+        raise ValueError(
+            f"{value!r} is not PORT or ADDRESS:PORT with an IP address (IPv6 in brackets: [::1]:9842)"
+        )
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{value!r}: the port must be a number from 1 to 65535")
+    return host, int(port_text)
+
+
+def _is_ip(text: str, family: int) -> bool:
+    try:
+        socket.inet_pton(family, text)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _metrics_section(sec: _Section, base: str) -> MetricsSection:
+    schema: Dict[str, Callable[[str], object]] = {"textfile": _path(base), "listen": listen_address}
+    values = sec.parse(schema)
+    if not values and not sec.raw.items:
+        sec.error(sec.raw.line, None, "empty: set textfile = PATH, listen = [ADDRESS:]PORT, or both")
+    textfile = values.get("textfile", (None, 0))[0]
+    if isinstance(textfile, str) and not textfile.endswith(".prom"):
+        sec.error(values["textfile"][1], "textfile", f"{textfile!r}: node-exporter reads only *.prom files")
+    return MetricsSection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
+
+
 def _sentinel_section(sec: _Section) -> SentinelSection:
     schema: Dict[str, Callable[[str], object]] = {
         "arm_duration_seconds": _seconds,
@@ -737,12 +796,12 @@ def _sentinel_section(sec: _Section) -> SentinelSection:
     return found
 
 
-_KINDS = ("defaults", "tty", "sentinel", "history", "gpu-NAME", "process-NAME")
+_KINDS = ("defaults", "tty", "sentinel", "history", "metrics", "gpu-NAME", "process-NAME")
 
 
 def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
     name = raw.name
-    if name in ("defaults", "tty", "sentinel", "history"):
+    if name in ("defaults", "tty", "sentinel", "history", "metrics"):
         return name
     for prefix in ("gpu-", "process-"):
         if name.startswith(prefix):
@@ -756,7 +815,7 @@ def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
                 )
                 return None
             return prefix
-    known = ["defaults", "tty", "sentinel", "history", "gpu-", "process-"]
+    known = ["defaults", "tty", "sentinel", "history", "metrics", "gpu-", "process-"]
     near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.5)
     hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
     sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
@@ -778,6 +837,7 @@ def parse(text: str, path: str = "<config>") -> Config:
     defaults, tty = Defaults(), TtySection()
     sentinel: Optional[SentinelSection] = None
     history = HistorySection()
+    metrics: Optional[MetricsSection] = None
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
     bad_lines: Dict[int, str] = {}
@@ -792,6 +852,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             sentinel = _sentinel_section(sec)
         elif kind == "history":
             history = _history_section(sec, base)
+        elif kind == "metrics":
+            metrics = _metrics_section(sec, base)
         elif kind == "gpu-":
             g = _gpu_section(sec, warnings)
             if g:
@@ -811,6 +873,7 @@ def parse(text: str, path: str = "<config>") -> Config:
         tty=tty,
         sentinel=sentinel,
         history=history,
+        metrics=metrics,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
     if errors:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pkgutil
+import re
 import shutil
 import subprocess
 import sys
@@ -144,3 +145,23 @@ def test_the_leader_stays_light():
         "gpu_mon.engine.workloads.leader",
         "gpu_mon.engine.workloads.linux",
     ]
+
+
+OUTSIDE = {  # an outside library -> the one module that imports it
+    "pynvml": "gpu_mon/api/nvml.py",
+    "sqlite3": "gpu_mon/api/historydb.py",
+    "matplotlib": "gpu_mon/commands/plot.py",
+    "torch": "gpu_mon/commands/stress.py",
+    "sdnotify": "gpu_mon/outputs/notify.py",
+    "prometheus_client": "gpu_mon/outputs/exposition.py",
+}
+
+
+def test_each_outside_library_lives_behind_one_module():
+    found: dict = {}
+    for path in sorted((ROOT / "gpu_mon").rglob("*.py")):
+        text = path.read_text()
+        for lib in OUTSIDE:
+            if re.search(rf"^\s*(import {lib}\b|from {lib}[. ])", text, re.M):
+                found.setdefault(lib, set()).add(str(path.relative_to(ROOT)))
+    assert found == {lib: {module} for lib, module in OUTSIDE.items()}

@@ -3,10 +3,11 @@ front of the pure policy: it touches the host, the policy only sees the Snapshot
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
-from typing import Callable, Dict, Iterable, Optional, Protocol, Set, Tuple
+from typing import Callable, Deque, Dict, Iterable, Optional, Protocol, Set, Tuple
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api import ttys as sessions
@@ -45,11 +46,19 @@ class Observer:
         self.holders: Tuple[Holder, ...] = ()
         self.last_rescanned: Set[int] = set()  # pids whose descriptors the last scan read
         self.rescan_wanted = False  # a holder let go of a GPU since the last full scan
+        # (mode, seconds) of each holder scan since take_scan_times (the latest 256: nobody may take them)
+        self.scan_times: Deque[Tuple[str, float]] = collections.deque(maxlen=256)
         self.denied_pids: Tuple[int, ...] = ()
         self._denied_logged: Set[int] = set()
         self._starts: Dict[int, int] = {}
         self._ancestors: Set[int] = set()
         self._ours_seen: Dict[int, float] = {}  # pid -> when it was last seen as ours (monotonic)
+
+    def take_scan_times(self) -> Tuple[Tuple[str, float], ...]:
+        """(mode, seconds) of the holder scans since the last call."""
+        out = tuple(self.scan_times)
+        self.scan_times.clear()
+        return out
 
     def read_gpus(self) -> GpuReading:
         """Read the backend and point the holder scan at the current device nodes."""
@@ -83,12 +92,14 @@ class Observer:
     def scan(self, mode: str, sessions_of_ours: Iterable[int] = (), pids: Iterable[int] = ()) -> None:
         """Scan holders: mode 'full' (with memory maps), 'fds' (full, descriptors only), 'changed'
         (incremental) or 'pids' (just those)."""
+        began = time.perf_counter()
         if mode in ("full", "fds"):
             result = self.scanner.full(maps=mode == "full")
         elif mode == "pids":
             result = self.scanner.full(pids=[str(p) for p in pids])
         else:
             result = self.scanner.changed()
+        self.scan_times.append((mode, time.perf_counter() - began))
         self.last_rescanned = result.rescanned
         self.rescan_wanted = (self.rescan_wanted or result.released) and not result.full
         ours = set(sessions_of_ours)

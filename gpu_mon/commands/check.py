@@ -39,6 +39,24 @@ def host_warnings(config: Config) -> List[str]:
     return warnings
 
 
+def metrics_problems(config: Config) -> List[str]:
+    """What would stop the daemon from serving [metrics]: the extra missing, a textfile directory it cannot
+    write (the port is tried when the daemon starts: a running daemon holds it)."""
+    m = config.metrics
+    if m is None:
+        return []
+    from gpu_mon.outputs.metrics import MetricsError, check_textfile_dir, load_exposition
+
+    problems = []
+    checks = [load_exposition] + ([lambda: check_textfile_dir(m.textfile or "")] if m.textfile else [])
+    for check in checks:
+        try:
+            check()
+        except MetricsError as err:
+            problems.append(f"{config.path}:{m.line}: {err}")
+    return problems
+
+
 def _load(args: argparse.Namespace) -> Config:
     """The config; with syntax errors, raise them together with the GPU problems of what did parse."""
     try:
@@ -76,6 +94,7 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
                 warnings.append(
                     f"GPU {plan.index_of.get(uuid)} ({uuid}): {why}: it will always count as busy"
                 )
+    errors.extend(metrics_problems(config))
     for w in warnings:
         say(f"warning: {w}", 4)
     for e in errors:

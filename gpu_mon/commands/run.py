@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from gpu_mon.commands import base
 from gpu_mon.config import trusted_uid_for_this_process
+
+if TYPE_CHECKING:
+    from gpu_mon.engine.lock import DaemonLock
+    from gpu_mon.outputs.metrics import Metrics
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -22,11 +27,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     assert config is not None
     backend, source = base.backend(args, writes=True)
     trusted = trusted_uid_for_this_process()
-    listeners = [StateFile(config.defaults.state_file), Notifier()]
+    listeners: list = [StateFile(config.defaults.state_file), Notifier()]
     if config.history.enabled:
         from gpu_mon.outputs.history import History
 
         listeners.append(History(config.history))
+    metrics = None
+    if config.metrics is not None:
+        from gpu_mon.outputs.metrics import Metrics
+
+        metrics = Metrics(config.metrics)
+        listeners.append(metrics)
     daemon = Daemon(
         config, backend, trusted_uid=trusted, source="" if source == "NVML" else source, listeners=listeners
     )
@@ -37,6 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         lock.acquire()
     except LockError as err:
         raise base.CliError(str(err), base.EXIT_FAILURE) from None
+    if metrics is not None and config.metrics is not None:
+        _open_metrics(metrics, f"{config.path}:{config.metrics.line}", lock)
     if os.geteuid() != 0:
         logging.getLogger("gpu_mon").warning(
             "not running as root: processes of other users cannot be inspected (GPUs count as busy while "
@@ -49,3 +62,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise base.CliError(str(err), base.EXIT_USAGE) from None
     finally:
         lock.release()
+
+
+def _open_metrics(metrics: Metrics, where: str, lock: DaemonLock) -> None:
+    """Bind the endpoint, check the textfile's directory: with the lock held (a second daemon is told about
+    the first, not about a port in use), before anything runs. A problem is a config error (exit 2)."""
+    from gpu_mon.outputs.metrics import MetricsError
+
+    try:
+        metrics.open()
+    except MetricsError as err:
+        lock.release()
+        raise base.CliError(f"{where}: {err}", base.EXIT_USAGE) from None

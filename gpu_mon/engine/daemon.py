@@ -472,6 +472,7 @@ class Daemon:
             idle_holders=idle[0],
             idle_started=idle[1],
             idle_ended=idle[2],
+            scans=self.observer.take_scan_times(),
         )
         self.loop.publish(self.report)
 
@@ -511,10 +512,12 @@ class Daemon:
         for key in ("state_file", "containment"):
             if getattr(d, key) != getattr(old, key):
                 log.warning("reload: [defaults] %s changes take effect when gpu-mon restarts", key)
-        if new.history != self.config.history:
-            log.warning("reload: [history] changes take effect when gpu-mon restarts")
+        for section in ("history", "metrics"):
+            if _unplaced(getattr(new, section)) != _unplaced(getattr(self.config, section)):
+                log.warning("reload: [%s] changes take effect when gpu-mon restarts", section)
         fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
-        return dataclasses.replace(new, defaults=fixed, history=self.config.history)
+        kept = {"history": self.config.history, "metrics": self.config.metrics}
+        return dataclasses.replace(new, defaults=fixed, **kept)
 
     def _apply(self, new: Config, now: float) -> None:
         old = policy.processes_by_name(self.config)
@@ -565,3 +568,10 @@ def _sentinel_rule(config: Config) -> tuple:
     """What the [sentinel] listener is made from (not where in the file it is written)."""
     s = config.sentinel
     return (s and dataclasses.replace(s, line=0), config.defaults.interval_seconds)
+
+
+def _unplaced(section: object) -> object:
+    """A section without the line it was written on (moving it in the file changes nothing)."""
+    if dataclasses.is_dataclass(section) and hasattr(section, "line"):
+        return dataclasses.replace(section, line=0)
+    return section

@@ -44,6 +44,7 @@ class RoundReport:
     idle_holders: Tuple[IdleHolder, ...] = ()  # current idle holders
     idle_started: Tuple[IdleHolder, ...] = ()  # idle-holder episodes that began in this round
     idle_ended: Tuple[IdleHolder, ...] = ()  # ... and that ended
+    scans: Tuple[Tuple[str, float], ...] = ()  # (mode, seconds) of the holder scans since the last round
 
 
 class Listener(Protocol):
