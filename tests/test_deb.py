@@ -135,6 +135,11 @@ def test_installed_files_are_the_sources(members: Dict[str, Tuple[tarfile.TarInf
     assert members[SENTINEL_UNIT_PATH][1] == (ROOT / "systemd" / "gpu-mon-sentinel.service").read_bytes()
     # The unit's Documentation= points here: not compressed.
     assert members["/usr/share/doc/gpu-mon/README.md"][1] == (ROOT / "README.md").read_bytes()
+    # The fleet view's files, as they are (README "Many servers" points here).
+    for path in (ROOT / "contrib").rglob("*"):
+        if path.is_file():
+            packaged = f"/usr/share/doc/gpu-mon/{path.relative_to(ROOT)}"
+            assert packaged in members and members[packaged][1] == path.read_bytes(), packaged
     for module in sorted((ROOT / "gpu_mon").glob("*.py")):
         packaged = members[f"/usr/lib/python3/dist-packages/gpu_mon/{module.name}"][1]
         assert packaged == module.read_bytes(), f"the packaged gpu_mon/{module.name} differs from the source"
