@@ -10,7 +10,8 @@ own handler, CLOCK_MONOTONIC is system-wide) and to the whole process group bein
 foreign process then closes the node and the workload restarts for the next trial.
 
 Modes, in the same run: gpu-mon as shipped (inotify IN_OPEN + incremental scan, polling every 2 s, a full
-scan every 60 s, [history] recording), the same with history off, the same at an earlier commit
+scan every 60 s, [history] recording), the same with history off, the same with [metrics] on (endpoint and
+textfile) and scraped 20 times a second throughout, the same at an earlier commit
 (--baseline REF, default the main before issue 9: the baseline measured side by side), and the seed
 tools' method (polling every 1 s with a full scan, no events).
 Then each daemon's CPU use over --idle-seconds of quiet, with the workload running.
@@ -19,15 +20,19 @@ Then each daemon's CPU use over --idle-seconds of quiet, with the workload runni
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -78,7 +83,13 @@ class Run:
     """One daemon under test with its workload, simulated GPU and foreign opener."""
 
     def __init__(
-        self, work: Path, name: str, defaults: Dict[str, object], code: Path = ROOT, history: object = None
+        self,
+        work: Path,
+        name: str,
+        defaults: Dict[str, object],
+        code: Path = ROOT,
+        history: object = None,
+        metrics_port: int = 0,
     ):
         self.dir = work / name
         self.dir.mkdir()
@@ -105,6 +116,8 @@ class Run:
             conf += (
                 f"[history]\nenabled = {'yes' if history else 'no'}\npath = {self.dir / 'history.sqlite'}\n"
             )
+        if metrics_port:
+            conf += f"[metrics]\nlisten = {metrics_port}\ntextfile = {self.dir / 'gpu_mon.prom'}\n"
         cpath = self.dir / "gpu_mon.conf"
         cpath.write_text(conf)
         os.chmod(cpath, 0o600)
@@ -200,6 +213,30 @@ class Run:
         self.log.close()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Scraper:
+    """GET /metrics 20 times a second in a thread, as an impatient Prometheus would."""
+
+    def __init__(self, port: int):
+        self.port, self.done = port, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.done.wait(0.05):
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5).read()
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=int, default=1000)
@@ -214,6 +251,7 @@ def main() -> int:
     modes = [
         ("gpu-mon as shipped (inotify + incremental scan, poll 2 s; history on)", "events", {}, ROOT, True),
         ("the same with history off", "nohistory", {}, ROOT, False),
+        ("the same, history and [metrics] on, scraped 20 times a second", "metrics", {}, ROOT, True),
     ]
     if a.baseline:
         old = work / "baseline-code"
@@ -238,7 +276,9 @@ def main() -> int:
     try:
         nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
         for label, name, defaults, code, history in modes:
-            run = Run(work, name, defaults, code, history)
+            port = free_port() if name == "metrics" else 0
+            run = Run(work, name, defaults, code, history, port)
+            scraper = Scraper(port) if port else None
             try:
                 samples = []
                 for i in range(a.trials):
@@ -247,6 +287,8 @@ def main() -> int:
                         print(f"  {name}: {i + 1}/{a.trials} trials", flush=True)
                 cpu = run.idle_cpu(a.idle_seconds)
             finally:
+                if scraper is not None:
+                    scraper.close()
                 run.close()
             term = [s[0] for s in samples]
             gone = [s[1] for s in samples]
