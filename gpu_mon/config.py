@@ -667,8 +667,8 @@ def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[Proc
         "env": _env,
         "per_gpu": _bool,
         "stop_signal": stop_signal,
-        "stop_timeout_seconds": _positive_seconds,
-        "urgent_stop_timeout_seconds": _positive_seconds,
+        "stop_timeout_seconds": _optional(_positive_seconds),  # empty: [defaults]'
+        "urgent_stop_timeout_seconds": _optional(_positive_seconds),
         # Seed compatibility: nothing else; unknown keys are errors.
     }
     values = sec.parse(schema)

@@ -12,6 +12,7 @@ import math
 import os
 import pwd
 import re
+import signal
 import socket
 from pathlib import Path
 
@@ -251,6 +252,13 @@ def test_shipped_config_with_every_commented_key_enabled_is_valid():
     assert p.name == "stress" and p.cmd == ("/usr/bin/gpu-mon", "stress", "--memory", "88%")
     assert (p.gpus, p.per_gpu, p.dir, p.log, p.env) == (GpuSelection(all=True), False, "/", None, ())
     assert (p.user, p.gid) == ("nobody", NOBODY.pw_gid)
+    assert p.stop_signal == signal.SIGTERM
+    assert p.stop_timeout_seconds is None and p.urgent_stop_timeout_seconds is None
+    assert c.metrics is not None
+    assert (c.metrics.textfile, c.metrics.listen) == (
+        "/var/lib/prometheus/node-exporter/gpu_mon.prom",
+        ("127.0.0.1", 9842),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
