@@ -3,11 +3,13 @@ config and start-up errors; a hostile scraper."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import urllib.error
@@ -260,3 +262,18 @@ def test_a_scraper_that_never_sends_a_request_does_not_stop_a_yield(tmp_path, si
         for h in hogs:
             h.close()
     wait_for(lambda: value(scrape(port), "gpu_mon_preemptions_total", uuid=sim.uuid(0)) == 1, what="scrape")
+
+
+def test_clients_that_hang_up_or_send_garbage_leave_no_traceback(tmp_path, sim, daemon_factory):
+    port = free_port()
+    d = metrics_daemon(daemon_factory, tmp_path, port)
+    linger = struct.pack("ii", 1, 0)  # close with a reset, at once
+    requests = (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00\xff garbage\r\n\r\n", b"GET /" * 5000)
+    for request in requests:
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                with contextlib.suppress(OSError):
+                    c.sendall(request)
+    assert value(scrape(port), "gpu_mon_build_info") == 1
+    assert "Traceback" not in d.log() and "Exception" not in d.log()

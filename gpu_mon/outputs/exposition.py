@@ -10,7 +10,9 @@ and a one-line error when the address cannot be bound.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterator, Tuple
@@ -28,6 +30,7 @@ from gpu_mon.outputs.metrics import Family, MetricsError
 # What generate_latest writes. (prometheus_client's CONTENT_TYPE_LATEST says 1.0.0 in newer versions; every
 # name here is a classic one, so 0.0.4 is exact and older Prometheus servers, Debian 12's 2.42, take it.)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+log = logging.getLogger("gpu_mon")
 READ_TIMEOUT = 10.0
 MAX_CLIENTS = 16
 Families = Callable[[], Tuple[Family, ...]]
@@ -101,6 +104,16 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    said_error = False
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that hung up is nobody's business; anything else is logged once, in one line (the
+        standard library would print a traceback to stderr, the journal, for every request)."""
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError) or self.said_error:
+            return
+        self.said_error = True
+        log.warning("metrics: cannot answer a scrape: %s: %s (said once)", type(err).__name__, err)
 
     def __init__(self, address: Tuple[str, int], families: Families):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
