@@ -277,3 +277,18 @@ def test_clients_that_hang_up_or_send_garbage_leave_no_traceback(tmp_path, sim, 
                     c.sendall(request)
     assert value(scrape(port), "gpu_mon_build_info") == 1
     assert "Traceback" not in d.log() and "Exception" not in d.log()
+
+
+def test_an_unreadable_gpu_is_unknown_and_shows_no_stale_numbers(tmp_path, sim, daemon_factory):
+    port = free_port()
+    metrics_daemon(daemon_factory, tmp_path, port)
+    u1 = sim.uuid(1)
+    wait_for(lambda: value(scrape(port), "gpu_mon_gpu_memory_used_bytes", uuid=u1), what="a reading")
+    sim.set(1, error="GPU is lost")
+    wait_for(lambda: value(scrape(port), "gpu_mon_gpu_state", uuid=u1, state="unknown") == 1, what="unknown")
+    text = scrape(port)
+    assert value(text, "gpu_mon_gpu_state", uuid=u1, state="harvesting") == 0
+    assert value(text, "gpu_mon_gpu_memory_used_bytes", uuid=u1) is None
+    assert value(text, "gpu_mon_gpu_utilization_ratio", uuid=u1) is None
+    assert value(text, "gpu_mon_gpu_info", uuid=u1) == 1  # still a GPU it watches
+    assert value(text, "gpu_mon_gpu_state", uuid=sim.uuid(0), state="harvesting") == 1
