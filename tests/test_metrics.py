@@ -283,7 +283,8 @@ def test_an_unreadable_gpu_is_unknown_and_shows_no_stale_numbers(tmp_path, sim, 
     port = free_port()
     metrics_daemon(daemon_factory, tmp_path, port)
     u1 = sim.uuid(1)
-    wait_for(lambda: value(scrape(port), "gpu_mon_gpu_memory_used_bytes", uuid=u1), what="a reading")
+    wait_for(lambda: "gpu_mon_gpu_memory_used_bytes" in scrape(port), what="a reading")
+    assert value(scrape(port), "gpu_mon_gpu_memory_used_bytes", uuid=u1) == 0
     sim.set(1, error="GPU is lost")
     wait_for(lambda: value(scrape(port), "gpu_mon_gpu_state", uuid=u1, state="unknown") == 1, what="unknown")
     text = scrape(port)
