@@ -33,7 +33,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 log = logging.getLogger("gpu_mon")
 READ_TIMEOUT = 10.0
 MAX_CLIENTS = 16
-Families = Callable[[], Tuple[Family, ...]]
+Text = Callable[[], bytes]  # the current exposition, rendered
 
 
 class _Collector:
@@ -85,7 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, send_body: bool) -> None:
         path = self.path.split("?", 1)[0]
         if path in ("/metrics", "/metrics/"):
-            code, ctype, body = 200, CONTENT_TYPE, render(self.server.families())
+            code, ctype, body = 200, CONTENT_TYPE, self.server.text()
         elif path == "/":
             code, ctype, body = 200, "text/plain; charset=utf-8", b"gpu-mon: metrics at /metrics\n"
         else:
@@ -115,9 +115,9 @@ class _Server(ThreadingHTTPServer):
         self.said_error = True
         log.warning("metrics: cannot answer a scrape: %s: %s (said once)", type(err).__name__, err)
 
-    def __init__(self, address: Tuple[str, int], families: Families):
+    def __init__(self, address: Tuple[str, int], text: Text):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.families = families
+        self.text = text
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
         super().__init__(address, _Handler)
 
@@ -138,11 +138,11 @@ class _Server(ThreadingHTTPServer):
             self.slots.release()
 
 
-def serve(host: str, port: int, families: Families) -> _Server:
+def serve(host: str, port: int, text: Text) -> _Server:
     """Bind and serve /metrics in a thread; MetricsError (one line) when the address cannot be bound."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        server = _Server((host, port), families)
+        server = _Server((host, port), text)
     except OSError as err:
         raise MetricsError(f"[metrics] listen {where}: {err.strerror or err}") from None
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()

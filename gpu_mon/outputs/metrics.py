@@ -289,6 +289,8 @@ class Metrics:
         self.tally = Tally()
         self.current: Tuple[Family, ...] = self.tally.families()
         self.render: Optional[Callable[[Tuple[Family, ...]], bytes]] = None
+        self.rendered: Tuple[Optional[Tuple[Family, ...]], bytes] = (None, b"")
+        self.render_lock = threading.Lock()
         self.server: Optional[object] = None
         self.textfile: Optional[_TextfileWriter] = None
 
@@ -299,14 +301,27 @@ class Metrics:
         self.render = exposition.render
         if self.settings.textfile:
             check_textfile_dir(self.settings.textfile)
-            self.textfile = _TextfileWriter(self.settings.textfile, self.render, lambda: self.current)
+            self.textfile = _TextfileWriter(self.settings.textfile, self.text)
         if self.settings.listen:
             host, port = self.settings.listen
-            self.server = exposition.serve(host, port, lambda: self.current)
+            self.server = exposition.serve(host, port, self.text)
             log.info("metrics: serving http://%s/metrics", self.settings.listen_text)
         if self.textfile is not None:
             self.textfile.start()
             log.info("metrics: writing %s", self.settings.textfile)
+
+    def text(self) -> bytes:
+        """The text format of the latest count, rendered once per round whatever the number of readers
+        (rendering holds the interpreter's lock a millisecond or so: 20 scrapes a second each rendering
+        anew measurably slowed yields)."""
+        with self.render_lock:
+            families, data = self.rendered
+            current = self.current
+            if families is not current:
+                assert self.render is not None
+                data = self.render(current)
+                self.rendered = (current, data)
+            return data
 
     def on_round(self, report: RoundReport) -> None:
         """Count the round; wake the textfile writer."""
@@ -361,8 +376,8 @@ class _TextfileWriter:
     """A thread that writes the latest exposition to the textfile when it changed, atomically, at most once
     every TEXTFILE_MIN_GAP seconds."""
 
-    def __init__(self, path: str, render: Callable, current: Callable[[], Tuple[Family, ...]]):
-        self.path, self.render, self.current = path, render, current
+    def __init__(self, path: str, text: Callable[[], bytes]):
+        self.path, self.text = path, text
         self.wanted = threading.Event()
         self.closing = threading.Event()
         self.written = b""
@@ -390,7 +405,7 @@ class _TextfileWriter:
 
     def write_if_changed(self) -> None:
         """Render; replace the file if the text differs from what was written."""
-        text = self.render(self.current())
+        text = self.text()
         if text == self.written:
             return
         try:
