@@ -102,6 +102,13 @@ def _body(
     )
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for the signal (SigCgt in /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) & (1 << (sig - 1)))
+
+
 def _stopped(d) -> tuple:
     """(milliseconds, the step's signals) of the first `stopped in` line."""
     line = d.wait_log(r"train\[\d+\] stopped (in|by)")[0]
@@ -217,3 +224,25 @@ def test_a_reload_changes_the_stop_signal_without_a_restart(tmp_path, sim, daemo
     _ms, sig, after = _stopped(d)
     assert (sig, after) == ("SIGUSR1", None)
     assert json.loads(ckpt.read_text())["complete"] is True
+
+
+def test_the_readme_example_checkpoints_when_a_terminal_user_arrives(tmp_path, sim, daemon_factory):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Stopping: signals and graces", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "readme_example.py"
+    script.write_text(code)
+    ckpt = tmp_path / "ckpt.json"  # (state.json is the daemon's)
+    term = _tty(tmp_path)
+    tty = f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n"
+    body = (
+        "[gpu-all]\ngpus = ALL\n\n[process-train]\n"
+        f"cmd = {WORKLOAD_PYTHON} {script} {ckpt}\ngpus = 0\nuser = root\nstop_signal = SIGUSR1\n{tty}"
+    )
+    d = daemon_factory(body, defaults=LONG)
+    pid = d.wait_running("train")
+    wait_for(lambda: catches(pid, signal.SIGUSR1), what="the example's SIGUSR1 handler")
+    os.utime(term, None)
+    _ms, sig, after = _stopped(d)
+    assert (sig, after) == ("SIGUSR1", None)
+    assert json.loads(ckpt.read_text())["step"] > 0
