@@ -246,3 +246,25 @@ def test_the_readme_example_checkpoints_when_a_terminal_user_arrives(tmp_path, s
     _ms, sig, after = _stopped(d)
     assert (sig, after) == ("SIGUSR1", None)
     assert json.loads(ckpt.read_text())["step"] > 0
+
+
+def test_a_second_sigterm_skips_every_step_to_sigkill(tmp_path, sim, daemon_factory):
+    script = tmp_path / "deaf.py"
+    script.write_text(
+        "import signal, time\n"
+        "for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)\n"
+        "print('deaf', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    body = (
+        "[gpu-all]\ngpus = ALL\n\n[process-train]\n"
+        f"cmd = {WORKLOAD_PYTHON} {script}\ngpus = 0\nuser = root\nstop_signal = INT\n"
+    )
+    d = daemon_factory(body, defaults=LONG)  # a 20 s grace, then SIGTERM for 1 s
+    d.wait_log(r"train\[\d+\]: deaf")
+    d.signal(signal.SIGTERM)
+    d.wait_log("stopping: 1 workload")
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(15) == 0
+    line = d.wait_log(r"train\[\d+\] stopped by SIGKILL")[0]
+    assert re.search(r"after \d\.\d s \(SIGINT first\)", line), line

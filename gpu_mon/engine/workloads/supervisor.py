@@ -150,7 +150,7 @@ class Supervisor:
     def set_rule(self, key: str, rule: StopRule) -> None:
         """How this workload's next stop goes (a reload changed its section's stop settings)."""
         w = self.workloads.get(key)
-        if w is not None:
+        if w is not None and not w.stopping:  # (a stop under way keeps its steps)
             w.rule = rule
 
     def failed_to_start(self, key: str, now: float, detail: str) -> None:
@@ -161,7 +161,7 @@ class Supervisor:
         """Escalate every stop under way to SIGKILL at the next tick."""
         for w in self.workloads.values():
             if w.stopping:
-                w.kill_at = now
+                w.kill_at, w.steps = now, []
 
     # ------------------------------------------------------------------ starting
 
@@ -280,6 +280,8 @@ class Supervisor:
         w.urgent = True
         urgent = w.rule.steps(True)
         at = len(w.sent) - 1
+        if at >= len(urgent):
+            return
         w.kill_at = min(w.kill_at, w.step_at + urgent[at][1])
         w.steps = list(urgent[at + 1 :])
 
@@ -572,7 +574,8 @@ def _how_stopped(w: Workload, took: float) -> str:
     ended it."""
     names = [signal_name(s) for s in w.sent]
     if w.killed:
-        return f"by SIGKILL after {took:.1f} s" + (f" ({', '.join(names)} first)" if names[:-1] else "")
+        first = f" ({', '.join(names)} first)" if names and names != ["SIGTERM"] else ""
+        return f"by SIGKILL after {took:.1f} s{first}"
     last = names[-1] if names else "SIGTERM"
     earlier = f" after {', '.join(names[:-1])}" if len(names) > 1 else ""
     return f"in {took * 1000:.0f} ms ({last}{earlier})"
