@@ -4,7 +4,9 @@ command line, so a test can find them all, whatever they did to their names, ses
 Modes (argv[2]):
   escape     double fork + setsid, and a grandchild that starts a child of its own; everyone ignores SIGTERM
              and renames itself; one child moves to its own process group; one stops itself (SIGSTOP)
-  forkchain  a process that forks, calls setsid in the child and exits, over and over (new pid every time)
+  forkchain  a process that forks, calls setsid in the child and exits, over and over (new pid every time);
+             each link appends a byte to the file argv[4], so a test can tell the chain lives (a look at
+             /proc, listing then reading, misses a link that lives a millisecond when /proc is long)
 argv[3]: seconds after which the main process exits by itself (0: never).
 """
 
@@ -46,11 +48,13 @@ def escape() -> None:
 
 def forkchain() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log = os.open(sys.argv[4], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     if os.fork() == 0:
         while True:
             if os.fork() != 0:
                 os._exit(0)
             os.setsid()
+            os.write(log, b".")
             time.sleep(0.001)
 
 

@@ -27,8 +27,30 @@ def body(tmp_path: Path, marker: str, mode: str, exit_after: float = 0, tty: str
     shutil.copy(HOSTILE, script)
     return (
         "[gpu-all]\ngpus = ALL\n\n[process-miner]\n"
-        f"cmd = {WORKLOAD_PYTHON} {script} {marker} {mode} {exit_after}\ngpus = 0\nuser = root\n{tty}"
+        f"cmd = {WORKLOAD_PYTHON} {script} {marker} {mode} {exit_after} {tmp_path / 'chain.log'}\n"
+        f"gpus = 0\nuser = root\n{tty}"
     )
+
+
+def chain_length(tmp_path: Path) -> int:
+    """Links the fork chain has made so far (each appends a byte)."""
+    try:
+        return (tmp_path / "chain.log").stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def chain_end(tmp_path: Path, timeout: float, quiet: float = 0.5) -> float:
+    """When (monotonic) the fork chain made its last link: once none came for `quiet` seconds."""
+    deadline = time.monotonic() + timeout
+    size, last_change = chain_length(tmp_path), time.monotonic()
+    while time.monotonic() - last_change < quiet:
+        assert time.monotonic() < deadline, f"the fork chain still forks after {timeout:g} s"
+        time.sleep(0.01)
+        now_size = chain_length(tmp_path)
+        if now_size != size:
+            size, last_change = now_size, time.monotonic()
+    return last_change
 
 
 @pytest.fixture
@@ -141,11 +163,14 @@ def test_a_fork_chain_dies_too(tmp_path, sim, cleanup_marked, daemon_factory, ho
         },
     )
     d.wait_log("hostile ready")
-    wait_for(lambda: len(marked(marker)) >= 2, what="the chain running")
+    wait_for(lambda: chain_length(tmp_path) > 100, what="the chain running")
     openers: list = []
     try:
         _trigger(how, d, sim, tmp_path, tmp_path, marker, openers)
-        wait_for(lambda: not marked(marker), timeout=BOUND, what="the fork chain gone")
+        started = time.monotonic()
+        # Gone: no new link for 0.5 s, and no process of it in /proc (which alone can miss a live link).
+        assert chain_end(tmp_path, timeout=BOUND + 5) - started < BOUND
+        assert not marked(marker)
     finally:
         for p in openers:
             p.kill()
