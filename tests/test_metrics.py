@@ -293,3 +293,13 @@ def test_an_unreadable_gpu_is_unknown_and_shows_no_stale_numbers(tmp_path, sim, 
     assert value(text, "gpu_mon_gpu_utilization_ratio", uuid=u1) is None
     assert value(text, "gpu_mon_gpu_info", uuid=u1) == 1  # still a GPU it watches
     assert value(text, "gpu_mon_gpu_state", uuid=sim.uuid(0), state="harvesting") == 1
+
+
+def test_a_gpu_it_does_not_watch_has_no_series(tmp_path, sim, daemon_factory):
+    port = free_port()
+    body = "[gpu-first]\ngpus = 0\n\n[process-w]\ncmd = sleep 600\nper_gpu = yes\nuser = root\n"
+    d = daemon_factory(body + f"\n[metrics]\nlisten = {port}\n")
+    d.wait_running("w@0")
+    text = scrape(port)
+    assert value(text, "gpu_mon_gpu_info", uuid=sim.uuid(0)) == 1
+    assert sim.uuid(1) not in text  # not "unknown": not watched at all

@@ -129,9 +129,15 @@ class Tally:
         self.last_now = now
 
     def _gpus(self, report: RoundReport) -> None:
-        seen = [g for g in report.snapshot.reading.gpus if g.uuid]
+        # The GPUs it watches ([gpu-*]): one it does not is none of its business (and would be "unknown").
+        watched = set(getattr(report.plan, "rules", {}))
+        for uuid in set(self.gpus) - watched:
+            del self.gpus[uuid]  # no longer watched (a reload)
+        for uuid in watched:
+            self._gpu(uuid)
+        seen = [g for g in report.snapshot.reading.gpus if g.uuid in watched]
         for g in seen:
-            t = self._gpu(g.uuid)
+            t = self.gpus[g.uuid]
             t.index, t.name = str(g.index), g.name or ""
             t.memory_used = None if g.memory_used_mib is None else g.memory_used_mib * MIB
             t.memory_total = None if g.memory_total_mib is None else g.memory_total_mib * MIB
