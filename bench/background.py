@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 from typing import Dict, List, Optional, Sequence
@@ -75,3 +76,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

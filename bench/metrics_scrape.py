@@ -19,7 +19,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,15 +28,9 @@ from typing import List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import median, percentile, table  # noqa: E402
+from background import free_port, median, percentile, table  # noqa: E402
 
 GPUS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str) -> bytes:

@@ -26,7 +26,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import Background, median, percentile, table  # noqa: E402
+from background import Background, free_port, median, percentile, table  # noqa: E402
 
 WORKLOAD = r"""
 import json, os, signal, sys, time
@@ -211,12 +210,6 @@ class Run:
             self.daemon.send_signal(signal.SIGTERM)
             self.daemon.wait(30)
         self.log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Scraper:

@@ -123,6 +123,23 @@ def kill_marked(marker: str) -> None:
     raise AssertionError(f"processes marked {marker} survived 10 s of SIGKILL: {marked(marker)}")
 
 
+def idle_terminal(tmp_path: Path, name: str = "3") -> Path:
+    """A stand-in terminal of nobody's, idle for an hour, in TMP/pts/ (touch it to make nobody active);
+    `tty_section` makes the [tty] section that watches it."""
+    term = tmp_path / "pts" / name
+    term.parent.mkdir(exist_ok=True)
+    term.touch()
+    os.chown(term, 65534, 65534)
+    old = time.time() - 3600
+    os.utime(term, (old, old))
+    return term
+
+
+def tty_section(term: Path) -> str:
+    """[tty] watching the directory of an idle_terminal(), 60 s to become idle again."""
+    return f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n"
+
+
 def foreign_opener_cmd(path: str) -> List[str]:
     """A process that is not ours opening a GPU node, saying `open`, and keeping it (like a CUDA program)."""
     code = "import sys, time; f = open(sys.argv[1]); print('open', flush=True); time.sleep(600)"

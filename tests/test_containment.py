@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import GPU_MON, WORKLOAD_PYTHON, kill_marked, marked, wait_for
+from conftest import GPU_MON, WORKLOAD_PYTHON, idle_terminal, kill_marked, marked, tty_section, wait_for
 
 HOSTILE = Path(__file__).resolve().parent / "hostile.py"
 STOP_TIMEOUT = 1.0
@@ -62,17 +62,6 @@ def cleanup_marked():
         kill_marked(marker)
 
 
-def _tty(tmp_path: Path) -> Path:
-    ttys = tmp_path / "pts"
-    ttys.mkdir()
-    term = ttys / "3"
-    term.touch()
-    os.chown(term, 65534, 65534)
-    old = time.time() - 3600
-    os.utime(term, (old, old))
-    return term
-
-
 def _trigger(how: str, d, sim, tmp_path: Path, term: Path, marker: str, openers: list) -> None:
     if how == "foreign":
         p = subprocess.Popen(
@@ -111,8 +100,8 @@ TRIGGERS = [
 def test_nothing_outlives_a_stop(tmp_path, sim, cleanup_marked, daemon_factory, containment, how):
     marker = f"gm-{uuid.uuid4().hex}"
     cleanup_marked += [marker, marker.replace("gm-", "gm2-")]
-    term = _tty(tmp_path)
-    tty = f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n"
+    term = idle_terminal(tmp_path)
+    tty = tty_section(term)
     exit_after = 2.0 if how == "exits-by-itself" else 0
     d = daemon_factory(
         body(tmp_path, marker, "escape", exit_after, tty),

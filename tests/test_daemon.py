@@ -13,8 +13,10 @@ import pytest
 from conftest import (
     UUIDS,
     WORKLOAD_PYTHON,
+    idle_terminal,
     pid_alive,
     read_reports,
+    tty_section,
     wait_for,
     workload_cmd,
 )
@@ -177,14 +179,8 @@ def test_start_delay_and_gap_between_jobs(tmp_path, sim, daemon_factory, opener_
 
 
 def test_terminal_user_pauses_everything_unless_whitelisted(tmp_path, sim, daemon_factory):
-    ttys = tmp_path / "pts"
-    ttys.mkdir()
-    term = ttys / "7"
-    term.touch()
-    os.chown(term, 65534, 65534)  # nobody's terminal
-    old = time.time() - 3600
-    os.utime(term, (old, old))
-    body = miner(tmp_path) + f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {ttys}/*\n"
+    term = idle_terminal(tmp_path, "7")  # nobody's terminal
+    body = miner(tmp_path) + tty_section(term)
     d = daemon_factory(body)
     pid = d.wait_running("miner")
     now = time.time()
@@ -193,6 +189,7 @@ def test_terminal_user_pauses_everything_unless_whitelisted(tmp_path, sim, daemo
     wait_for(lambda: not pid_alive(pid), what="workload stopped for the terminal user")
     # The state file is written at the end of the round that logged the line: wait for it.
     wait_for(lambda: "nobody" in "".join(d.state().get("paused_by", [])), what="paused_by in the state file")
+    old = time.time() - 3600
     os.utime(term, (old, old))  # idle again
     d.wait_log(r"terminal users idle again")
     d.wait_running("miner")

@@ -10,12 +10,19 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Optional
 
 import pytest
-from conftest import ROOT, WORKLOAD_PYTHON, foreign_opener_cmd, pid_alive, wait_for
+from conftest import (
+    ROOT,
+    WORKLOAD_PYTHON,
+    foreign_opener_cmd,
+    idle_terminal,
+    pid_alive,
+    tty_section,
+    wait_for,
+)
 
 from gpu_mon import config
 from gpu_mon.engine.workloads.stopping import StopRule, rule_for
@@ -79,22 +86,12 @@ def test_stop_settings_are_not_in_the_fingerprint():
 # ---------------------------------------------------------------------------------------------- daemon
 
 
-def _tty(tmp_path: Path) -> Path:
-    term = tmp_path / "pts" / "3"
-    term.parent.mkdir()
-    term.touch()
-    os.chown(term, 65534, 65534)
-    old = time.time() - 3600
-    os.utime(term, (old, old))
-    return term
-
-
 def _body(
     tmp_path: Path, ckpt: Path, save_seconds: float, extra: str = "", term: Optional[Path] = None
 ) -> str:
     script = tmp_path / "checkpoint_workload.py"
     shutil.copy(EXAMPLE, script)
-    tty = f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n" if term else ""
+    tty = tty_section(term) if term else ""
     return (
         "[gpu-all]\ngpus = ALL\n\n[process-train]\n"
         f"cmd = {WORKLOAD_PYTHON} {script} {ckpt} --save-seconds {save_seconds}\n"
@@ -122,7 +119,7 @@ LONG = {"stop_timeout_seconds": 20, "restart_delay_seconds": 300, "restart_delay
 
 def test_a_terminal_user_gives_the_full_grace_and_the_checkpoint_is_complete(tmp_path, sim, daemon_factory):
     ckpt = tmp_path / "ckpt.json"
-    term = _tty(tmp_path)
+    term = idle_terminal(tmp_path)
     # Saving takes 3 s: longer than the urgent grace (2 s), well within stop_timeout (20 s).
     d = daemon_factory(_body(tmp_path, ckpt, 3.0, "stop_signal = SIGUSR1\n", term), defaults=LONG)
     d.wait_log(r"train\[\d+\]: resuming at step 0")
@@ -157,7 +154,7 @@ def test_a_foreign_open_gives_the_urgent_grace(tmp_path, sim, daemon_factory):
 
 def test_a_stop_under_way_is_hurried_by_a_foreign_open(tmp_path, sim, daemon_factory):
     ckpt = tmp_path / "ckpt.json"
-    term = _tty(tmp_path)
+    term = idle_terminal(tmp_path)
     d = daemon_factory(_body(tmp_path, ckpt, 60.0, "stop_signal = SIGUSR1\n", term), defaults=LONG)
     d.wait_log(r"train\[\d+\]: resuming at step 0")
     wait_for(lambda: d.workload("train").get("command_pid"), what="the command's pid")
@@ -233,8 +230,8 @@ def test_the_readme_example_checkpoints_when_a_terminal_user_arrives(tmp_path, s
     script = tmp_path / "readme_example.py"
     script.write_text(code)
     ckpt = tmp_path / "ckpt.json"  # (state.json is the daemon's)
-    term = _tty(tmp_path)
-    tty = f"\n[tty]\nenabled = yes\nidle_seconds = 60\ndevices = {term.parent}/*\n"
+    term = idle_terminal(tmp_path)
+    tty = tty_section(term)
     body = (
         "[gpu-all]\ngpus = ALL\n\n[process-train]\n"
         f"cmd = {WORKLOAD_PYTHON} {script} {ckpt}\ngpus = 0\nuser = root\nstop_signal = SIGUSR1\n{tty}"
