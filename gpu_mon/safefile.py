@@ -6,9 +6,11 @@ for one) cannot redirect the open between a check and the use; the checks are ma
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import tempfile
 from typing import Optional
 
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -151,3 +153,18 @@ def open_append(path: str, mode: int = 0o640) -> int:
         raise UnsafeFile(f"{path}: has {st.st_nlink} hard links (refused: it could be another file)")
     os.set_blocking(fd, True)
     return fd
+
+
+def replace(path: str, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` atomically: a new file beside it (O_EXCL under a random name, so a planted symlink
+    cannot redirect the write), given `mode`, then renamed over it (a rename never follows a symlink)."""
+    fd, tmp = tempfile.mkstemp(prefix=".gpu_mon.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -48,12 +48,15 @@ def metrics_problems(config: Config) -> List[str]:
     from gpu_mon.outputs.metrics import MetricsError, check_textfile_dir, load_exposition
 
     problems = []
-    checks = [load_exposition] + ([lambda: check_textfile_dir(m.textfile or "")] if m.textfile else [])
-    for check in checks:
-        try:
-            check()
-        except MetricsError as err:
-            problems.append(f"{config.path}:{m.line}: {err}")
+    try:
+        load_exposition()
+    except MetricsError as err:
+        problems.append(f"{config.path}:{m.line}: {err}")
+    try:
+        if m.textfile:
+            check_textfile_dir(m.textfile)
+    except MetricsError as err:
+        problems.append(f"{config.path}:{m.line}: {err}")
     return problems
 
 

@@ -566,8 +566,7 @@ class Daemon:
 
 def _sentinel_rule(config: Config) -> tuple:
     """What the [sentinel] listener is made from (not where in the file it is written)."""
-    s = config.sentinel
-    return (s and dataclasses.replace(s, line=0), config.defaults.interval_seconds)
+    return (_unplaced(config.sentinel), config.defaults.interval_seconds)
 
 
 def _unplaced(section: object) -> object:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Dict, List, Optional, Tuple
 
-from gpu_mon import __version__
+from gpu_mon import __version__, safefile
 from gpu_mon.config import MetricsSection
 from gpu_mon.engine import gpustate
 from gpu_mon.engine.loop import RoundReport
@@ -415,7 +415,7 @@ class _TextfileWriter:
         if text == self.written:
             return
         try:
-            write_atomically(self.path, text)
+            safefile.replace(self.path, text)
         except OSError as err:
             if not self.failed_said:
                 self.failed_said = True
@@ -430,17 +430,3 @@ class _TextfileWriter:
         self.thread.join(timeout=5)
         with contextlib.suppress(OSError):
             os.unlink(self.path)
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """A new file beside `path` (O_EXCL, a random name: a planted symlink cannot redirect it), then rename."""
-    fd, tmp = tempfile.mkstemp(prefix=".gpu_mon.", suffix=".tmp", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

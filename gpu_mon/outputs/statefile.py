@@ -8,9 +8,9 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 from typing import Optional
 
+from gpu_mon import safefile
 from gpu_mon.api import procfs
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.outputs import status
@@ -19,20 +19,9 @@ log = logging.getLogger("gpu_mon")
 
 
 def write(path: str, doc: dict) -> None:
-    """Replace the file atomically (temp file in the same directory, then rename); world-readable."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".state.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Replace the file atomically (safefile.replace); world-readable."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    safefile.replace(path, (json.dumps(doc, separators=(",", ":")) + "\n").encode("utf-8"))
 
 
 def read_live(path: str) -> Optional[dict]:
