@@ -62,16 +62,23 @@ def test_a_plain_user_takes_a_look_through_the_library(public_dir):
         "s = Sentinel(1, 0.5, 1, 0.1, kill_fn=lambda: print('fired'))\n"
         "for u in (0.9, get_gpu_usage()): s.tick(u)\n"
     )
-    r = subprocess.run(
-        ["/usr/bin/python3", "-c", code, str(sim.path)],
-        capture_output=True,
-        text=True,
-        user=65534,
-        group=65534,
-        extra_groups=[],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir), "GPU_MON_SIM": str(sim.path)},
-    )
+    # A root process that is not the looker's ancestor: on a machine where every other root process is
+    # one (a CI runner with nothing but this test run), nothing would be unreadable to `nobody`.
+    root_proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        r = subprocess.run(
+            ["/usr/bin/python3", "-c", code, str(sim.path)],
+            capture_output=True,
+            text=True,
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir), "GPU_MON_SIM": str(sim.path)},
+        )
+    finally:
+        root_proc.kill()
+        root_proc.wait()
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # a library prints nothing of its own
     # root's processes: unreadable to nobody, and said so; the idle GPUs (0%) fire the armed sentinel
