@@ -38,7 +38,7 @@ def load(path: str) -> dict:
 def save(path: str, state: dict, seconds: float) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.write('{"step": %d, ' % state["step"])
+        f.write(f'{{"step": {state["step"]:d}, ')
         f.flush()
         time.sleep(seconds)  # a large model takes a while to write
         f.write('"complete": true}\n')

@@ -152,6 +152,15 @@ def test_parse_memory_accepts(text, expected):
 
 
 @pytest.mark.parametrize(
+    "rate, decimals, text",
+    [(0.0, 3, "0.000"), (312.512, 3, "312.512"), (0.000168, 3, "0.000168"), (0.04, 1, "0.04"), (2, 1, "2.0")],
+)
+def test_a_slow_rate_is_not_printed_as_no_work(rate, decimals, text):
+    # A 128x128 matmul on a starved CPU runs at ~0.0002 TFLOPS; "0.000" read as "nothing ran" (a test failed).
+    assert stress._figure(rate, decimals) == text
+
+
+@pytest.mark.parametrize(
     "text", ["0%", "101%", "-5%", "20", "abc", "5 parsecs", "", "%", "1KiB", "nan%", "1e3MiB"]
 )
 def test_parse_memory_rejects(text):

@@ -295,6 +295,15 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / MIB:.1f}"
 
 
+def _figure(rate: float, decimals: int) -> str:
+    """A rate with `decimals` places, or 3 significant digits when that would print a nonzero rate as 0.
+
+    A small matmul on a busy CPU does real work at 0.0002 TFLOPS; "0.000" would read as no work at all.
+    """
+    text = f"{rate:.{decimals}f}"
+    return f"{rate:.3g}" if rate > 0 and float(text) == 0 else text
+
+
 class _StopSignal:
     """SIGTERM and SIGINT only record themselves and wake `wait`; the previous handlers return on exit."""
 
@@ -814,11 +823,10 @@ class _Stressor:
         if self.work is None:
             return ""
         tflops = iterations * self.work.flops / seconds / 1e12 if seconds > 0 else 0.0
-        line = f" iterations={self.completed} tflops={tflops:.3f}"
+        line = f" iterations={self.completed} tflops={_figure(tflops, 3)}"
         if self.work.kind == "elementwise":
-            line += (
-                f" gb_per_s={iterations * self.work.bytes_moved / seconds / 1e9 if seconds > 0 else 0.0:.1f}"
-            )
+            gb_per_s = iterations * self.work.bytes_moved / seconds / 1e9 if seconds > 0 else 0.0
+            line += f" gb_per_s={_figure(gb_per_s, 1)}"
         return line
 
     def _report(self, now: float, phase: str) -> None:
