@@ -57,3 +57,44 @@ def test_active_filters_idle_and_whitelisted(tmp_path):
     ttys = sessions.scan_ttys([f"{tmp_path}/*"], time.time())
     active = sessions.active(ttys, idle_seconds=300, whitelist=["root"])
     assert [t.device[-1] for t in active] == ["b"]
+
+
+def _pty_aged(seconds: float):
+    """A real pseudo-terminal (master, slave, its /dev/pts path) whose stamps are `seconds` old."""
+    master, slave = os.openpty()
+    path = os.ttyname(slave)
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+    return master, slave, path
+
+
+def _active_ptys(path: str):
+    ttys = sessions.scan_ttys([path], time.time())
+    return sessions.active(ttys, idle_seconds=300, whitelist=[])
+
+
+def test_input_on_a_real_terminal_makes_its_user_active():
+    master, slave, path = _pty_aged(3600)
+    try:
+        assert _active_ptys(path) == ()
+        os.write(master, b"ls\n")  # the user types ...
+        assert os.read(slave, 16) == b"ls\n"  # ... and the shell reads it: the kernel stamps atime
+        st = os.stat(path)
+        assert time.time() - st.st_atime < 10 and time.time() - st.st_mtime > 3000
+        assert [t.device for t in _active_ptys(path)] == [path]
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
+def test_output_to_a_real_terminal_is_not_its_user():
+    master, slave, path = _pty_aged(3600)
+    try:
+        os.write(slave, b"epoch 3/90 loss 0.41\n")  # a job prints to the terminal: the kernel stamps mtime
+        assert os.read(master, 64).startswith(b"epoch 3/90")
+        st = os.stat(path)
+        assert time.time() - st.st_mtime < 10 and time.time() - st.st_atime > 3000
+        assert _active_ptys(path) == ()
+    finally:
+        os.close(slave)
+        os.close(master)

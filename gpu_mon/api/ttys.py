@@ -1,8 +1,10 @@
-"""Terminal users: the owner of each terminal device and how long since it was last read or written.
+"""Terminal users: the owner of each terminal device and how long since someone typed on it.
 
-The kernel stamps a tty's atime when it is read or written (at most every few seconds, so that keystroke
-timing does not leak), so now - atime is how long the terminal has been idle. Devices that vanish while we
-look are skipped. /dev/tty, /dev/console and /dev/ptmx (major 5) are not anybody's terminal.
+The kernel stamps a tty's atime when a program reads it (the user's input) and its mtime when a program
+writes to it (output), each to 8 s so that keystroke timing does not leak. Only input counts: a training
+job printing to a user's terminal is not the user sitting there, so now - atime is how long the terminal
+has been idle (as `w` counts it). Devices that vanish while we look are skipped. /dev/tty, /dev/console
+and /dev/ptmx (major 5) are not anybody's terminal.
 """
 
 from __future__ import annotations
@@ -47,6 +49,6 @@ def scan_ttys(patterns: Iterable[str], now_wall: float) -> Tuple[TtyUser, ...]:
 
 
 def active(ttys: Iterable[TtyUser], idle_seconds: float, whitelist: Iterable[str]) -> Tuple[TtyUser, ...]:
-    """Terminals touched within `idle_seconds` by users not on the whitelist."""
+    """Terminals with input within `idle_seconds`, of users not on the whitelist."""
     allowed = set(whitelist)
     return tuple(t for t in ttys if t.idle_seconds < idle_seconds and t.user not in allowed)
