@@ -29,6 +29,8 @@ WORKLOAD = Path(__file__).resolve().parent / "workload.py"
 # Workloads may run as `nobody`, who cannot read the venv's interpreter under /root: use the system one.
 WORKLOAD_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 UUIDS = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(8)]
+# Fails a module, and the run, that changes the machine's own gpu-mon files (/etc/gpu_mon.conf, ...).
+pytest_plugins = ["machine_guard"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:

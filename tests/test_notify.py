@@ -166,7 +166,8 @@ def test_journal_priorities(tmp_path, sim):
         tmp_path / "c.conf",
         f"[defaults]\nstate_file = {tmp_path}/s.json\ninterval_seconds = 0.2\n"
         "start_delay_seconds = 0\n[gpu-all]\ngpus = ALL\n[process-m]\ngpus = 0\nuser = root\n"
-        "cmd = sh -c 'printf \"<0>%s\\\\n\" not-an-emergency; exec sleep 600'\n",
+        "cmd = sh -c 'printf \"<0>%s\\\\n\" not-an-emergency; exec sleep 600'\n"
+        f"[history]\npath = {tmp_path}/history.sqlite\n",
     )
     log = tmp_path / "journal"
     with open(log, "wb") as f:
@@ -226,7 +227,11 @@ def test_journal_detection(tmp_path):
 
 
 def test_terminal_format_has_timestamps(tmp_path, sim):
-    conf = write_config(tmp_path / "c.conf", "[gpu-all]\ngpus = ALL\n")
+    conf = write_config(
+        tmp_path / "c.conf",
+        f"[defaults]\nstate_file = {tmp_path}/s.json\n[gpu-all]\ngpus = ALL\n"
+        f"[history]\npath = {tmp_path}/history.sqlite\n",
+    )
     r = subprocess.run(
         [*GPU_MON, "--config", str(conf), "--sim", str(sim.path), "check"], capture_output=True, text=True
     )
