@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """On a machine with an NVIDIA GPU: does a user's job ever hit out-of-memory because of our workload?
 
-    python bench/gpu_preempt.py [--trials 20] [--memory 88%]
+    python bench/gpu_preempt.py [--trials 20] [--memory 88%] [--foreign torch|libcuda] [--json FILE]
 
 A real `gpu-mon run` (NVML backend) runs `gpu-mon stress --memory 88%` on GPU 0 (as a per-GPU workload).
 Each trial starts a foreign torch process that, right after CUDA initialisation, allocates half the GPU's
 memory at once, as a training job would. We record whether that allocation fails with out-of-memory, and
 how long after the foreign process started initialising CUDA NVML shows our workload's memory released.
 The foreign process then exits, and the daemon starts the workload again after its start delay.
+`--foreign libcuda` makes the foreign process a few lines of ctypes on libcuda (cuInit, a context,
+cuMemAlloc): no torch start-up, so its allocation comes as early as a CUDA program's can. `--json FILE`
+also writes every trial and the summary, machine-readable (what bench/gpu_proof.py reads).
 """
 
 from __future__ import annotations
@@ -50,6 +53,31 @@ print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok"
                   "free_at_init_mib": free >> 20}), flush=True)
 """
 
+FOREIGN_LIBCUDA = r"""
+import ctypes, json, time
+cuda = ctypes.CDLL("libcuda.so.1")
+t_init = time.monotonic_ns()
+assert cuda.cuInit(0) == 0
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+assert cuda.cuCtxSetCurrent(ctx) == 0
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+assert cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+t_ready = time.monotonic_ns()
+ptr = ctypes.c_uint64()
+rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(total.value // 2))
+t_alloc = time.monotonic_ns()
+err = "" if rc == 0 else ("CUDA_ERROR_OUT_OF_MEMORY" if rc == 2 else f"CUresult {rc}")
+print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok": rc == 0, "err": err,
+                  "free_at_init_mib": free.value >> 20}), flush=True)
+"""
+
+
+def held_fraction(memory: str) -> float:
+    """The share of the GPU the workload holds once fully allocated: 88% -> 0.88; 0.8 for absolute sizes."""
+    return float(memory[:-1]) / 100 if memory.endswith("%") else 0.8
+
 
 def gpu0(backend: NvmlBackend):
     return backend.read().gpus[0]
@@ -73,6 +101,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--memory", default="88%")
+    ap.add_argument("--foreign", choices=("torch", "libcuda"), default="torch", help="the foreign process")
+    ap.add_argument("--json", metavar="FILE", help="also write every trial and the summary here as JSON")
     a = ap.parse_args()
     # This process reads NVML, so it holds /dev/nvidia0 like any monitor: give it a name of its own and
     # have gpu-mon ignore it (ignore_programs), as an admin would for nvtop or an exporter.
@@ -91,6 +121,7 @@ def main() -> int:
         "[process-stress]\nuser = root\n"
         f"cmd = {sys.executable} -m gpu_mon stress --memory {a.memory} --report-seconds 30\n"
         f"env = PYTHONPATH={ROOT}\n"
+        f"[history]\npath = {work}/history.sqlite\n"
     )
     os.chmod(conf, 0o600)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -102,16 +133,18 @@ def main() -> int:
         env=env,
         start_new_session=True,
     )
-    rows, results = [], []
+    rows, results, trials = [], [], []
     try:
         for trial in range(a.trials):
             ours: set = set()
-            used = wait_for_workload(backend, ours, min_mib=int(total * 0.8))  # fully allocated
+            # fully allocated
+            used = wait_for_workload(backend, ours, min_mib=int(total * held_fraction(a.memory) * 0.9))
             if used is None:
                 print("the workload did not start; daemon log:")
                 print((work / "daemon.log").read_text()[-3000:])
                 return 1
-            foreign = subprocess.Popen([sys.executable, "-c", FOREIGN], stdout=subprocess.PIPE, text=True)
+            script = FOREIGN_LIBCUDA if a.foreign == "libcuda" else FOREIGN
+            foreign = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
             ours_mib = sum(p.used_memory_mib or 0 for p in gpu0(backend).processes or () if p.pid in ours)
             released_at: Optional[int] = None  # our pid gone from NVML's process list
             freed_at: Optional[int] = None  # NVML memory used down by 90% of what our process held
@@ -145,6 +178,18 @@ def main() -> int:
             freed_ms = (freed_at - out["t_init"]) / 1e6 if freed_at else float("nan")
             ready_ms = (out["t_ready"] - out["t_init"]) / 1e6
             results.append((out["ok"], rel_ms, ready_ms, out["free_at_init_mib"], freed_ms))
+            trials.append(
+                {
+                    "ok": out["ok"],
+                    "err": out["err"],
+                    "ours_mib": ours_mib,
+                    "free_at_init_mib": out["free_at_init_mib"],
+                    "freed_ms": freed_ms,
+                    "off_list_ms": rel_ms,
+                    "ready_ms": ready_ms,
+                    "alloc_ms": (out["t_alloc"] - out["t_init"]) / 1e6,
+                }
+            )
             print(
                 f"trial {trial + 1}: ours held {ours_mib} MiB; foreign cuInit->ready {ready_ms:.0f} ms, "
                 f"free at its init {out['free_at_init_mib']} MiB, half-memory allocation "
@@ -182,6 +227,14 @@ def main() -> int:
             "foreign cuInit->ready p50 ms",
         ]
         print(table(headers, rows))
+        if a.json:
+            summary = {
+                "gpu": first.gpus[0].name,
+                "total_mib": total,
+                "memory": a.memory,
+                "foreign": a.foreign,
+            }
+            Path(a.json).write_text(json.dumps({**summary, "trials": trials}, indent=1) + "\n")
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """On a machine with an NVIDIA GPU: what each NVML call costs; does `gpu-mon status` see a CUDA process?
 
-    python bench/nvml_calls.py [--reads 200]
+    python bench/nvml_calls.py [--reads 200] [--json FILE]
 
 1. Starts `python -c "import torch; x = torch.zeros(1, device='cuda'); input()"`; waits until NVML lists it.
 2. Runs `gpu-mon status --json` with the real backend (no config) and checks that the process is listed on
    its GPU both by the device-node scan and by NVML.
 3. Times every NVML call gpu-mon makes, per GPU, over --reads looks (median and p99, microseconds), and one
    whole look (`NvmlBackend.read()`), which is what each polling round costs.
+--json FILE also writes these figures, machine-readable (what bench/gpu_proof.py reads).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from gpu_mon.api.nvml import NvmlBackend  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reads", type=int, default=200)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures here as JSON")
     a = ap.parse_args()
+    result: dict = {"reads": a.reads}
     backend = NvmlBackend()
     reading = backend.read()
     if reading.error or not reading.gpus:
@@ -61,6 +64,8 @@ def main() -> int:
                 break
             time.sleep(0.05)
         print(f"NVML lists the CUDA process after {time.monotonic() - t0:.2f} s")
+        result["listed_after_s"] = round(time.monotonic() - t0, 3)
+        result["status"] = []
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         # No config on that machine: status takes one fresh look at the host with the real backend.
         st = subprocess.run(
@@ -70,6 +75,14 @@ def main() -> int:
         for g in doc["gpus"]:
             by_node = [h for h in g["holders"] if h["pid"] == cuda.pid]
             by_nvml = [h for h in g["nvml_processes"] if h["pid"] == cuda.pid]
+            result["status"].append(
+                {
+                    "uuid": g["uuid"],
+                    "by_node": bool(by_node),
+                    "by_nvml": bool(by_nvml),
+                    "mib": by_nvml[0].get("used_memory_mib") if by_nvml else None,
+                }
+            )
             print(
                 f"status: GPU {g['index']} {g['uuid']}: busy={g['busy']}; CUDA pid {cuda.pid} in device "
                 f"holders: {bool(by_node)}; in NVML processes: {bool(by_nvml)} "
@@ -99,6 +112,13 @@ def main() -> int:
                 f"{percentile(whole, 99) * 1e6:.0f}",
             ]
         )
+        result["calls_us"] = {
+            f"{name} GPU {'all' if index < 0 else index}": [median(v) * 1e6, percentile(v, 99) * 1e6]
+            for (name, index), v in timings.items()
+        }
+        result["whole_look_us"] = [median(whole) * 1e6, percentile(whole, 99) * 1e6]
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"NVML call times over {a.reads} looks, {len(reading.gpus)} GPU(s), one CUDA process running:")
         print(table(["call", "GPU", "median us", "p99 us"], rows))
     finally:

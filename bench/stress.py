@@ -7,11 +7,13 @@ Measures in one run and prints a table:
   (c) SIGTERM to the subprocess -> it exits, and (CUDA) NVML shows its memory released, sampled every 5 ms
       (target < 1 s).
 On a machine without CUDA it runs small CPU sizes and marks the NVML rows "n/a (no GPU)".
+`--json FILE` also writes the table's rows and the figures behind them (what bench/gpu_proof.py reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -239,6 +241,7 @@ class Table:
 
     def __init__(self) -> None:
         self.rows: List[List[str]] = []
+        self.figures: Dict[str, Any] = {}  # the numbers behind the rows, for --json
 
     def add(self, *cells: str) -> None:
         """One row: measurement, ours, reference, ratio, target, verdict."""
@@ -261,6 +264,13 @@ class Table:
             print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
             if index == 0:
                 print("-+-".join("-" * w for w in widths))
+
+    def write_json(self, path: str, host: Dict[str, Any]) -> None:
+        """The rows (as the table prints them) and the figures behind them."""
+        keys = ["measurement", "ours", "reference", "ratio", "target", "result"]
+        rows = [dict(zip(keys, row)) for row in self.rows]
+        doc = {"host": host, "rows": rows, "figures": self.figures}
+        Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
 def verdict(ok: bool) -> str:
@@ -294,6 +304,11 @@ def bench_rate(
                 plain.append(rate)
     ours_rate, plain_rate = statistics.median(r["tflops"] for r in ours), statistics.median(plain)
     ratio = ours_rate / plain_rate
+    table.figures.setdefault("rates", {})[dtype] = {
+        "ours_tflops": [r["tflops"] for r in ours],
+        "plain_tflops": plain,
+        "ratio": ratio,
+    }
     table.add(
         f"(a) matmul {dtype} n={opts.size} TFLOP/s (median of {repeats})",
         f"{ours_rate:.3f}",
@@ -325,6 +340,7 @@ def memory_rows(table: Table, ours: List[Dict[str, Any]], memory: str) -> None:
     """(b): held against target, worst run."""
     worst = max(ours, key=lambda r: abs(r["held_mib"] - r["target_mib"]) / r["target_mib"])
     error = (worst["held_mib"] - worst["target_mib"]) / worst["target_mib"]
+    table.figures["memory"] = {k: worst.get(k) for k in ("held_mib", "target_mib", "nvml_process_mib")}
     table.add(
         f"(b) memory held vs target ({memory})",
         f"{worst['held_mib']:.1f} MiB",
@@ -347,6 +363,8 @@ def memory_rows(table: Table, ours: List[Dict[str, Any]], memory: str) -> None:
 def release_rows(table: Table, ours: List[Dict[str, Any]], device: str) -> None:
     """(c): SIGTERM to exit, and to NVML showing the memory released (worst run)."""
     exits = [r["exit_ms"] for r in ours if "exit_ms" in r]
+    keys = ("exit_ms", "released_ms", "all_released_ms", "code")
+    table.figures["release"] = [{k: r.get(k) for k in keys} for r in ours]
     table.add(
         "(c) SIGTERM -> process exit, exit code 0 (worst)",
         f"{max(exits):.0f} ms" if exits else "n/a",
@@ -387,6 +405,7 @@ def bench_verify(
     result = run_ours(opts.device, dtype, opts.size, seconds, memory, ["--verify"])
     print(f"  ours  {dtype} --verify: {describe(result)}", flush=True)
     ok = result["code"] == 0 and result["exit"].get("verify") == "ok"
+    table.figures["verify"] = {"tflops": result["tflops"], "ok": ok, "reference_tflops": reference}
     ratio = f"{result['tflops'] / reference:.3f}" if reference else ""
     table.add(
         f"    matmul {dtype} --verify TFLOP/s",
@@ -416,6 +435,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--extra-dtypes", default=None, help="comma list run briefly (default: fp16,tf32 on CUDA)"
     )
+    parser.add_argument("--json", metavar="FILE", help="also write the rows and their figures as JSON")
     return parser.parse_args()
 
 
@@ -440,7 +460,7 @@ def main() -> int:
         for d in (opts.extra_dtypes or ("fp16,tf32" if cuda else "bf16")).split(",")
         if d and d != opts.dtype
     ]
-    describe_host(torch, cuda)
+    host = describe_host(torch, cuda)
     table = Table()
     reference: Dict[str, float] = {}
 
@@ -464,12 +484,15 @@ def main() -> int:
         )
     print()
     table.print()
+    if opts.json:
+        table.write_json(opts.json, {**host, "dtype": opts.dtype, "size": opts.size, "memory": memory})
     return 0
 
 
-def describe_host(torch: Any, cuda: bool) -> None:
-    """Header: what ran where."""
+def describe_host(torch: Any, cuda: bool) -> Dict[str, Any]:
+    """Header: what ran where (printed, and returned for --json)."""
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.version.cuda}")
+    host: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": "cpu"}
     if cuda:
         props = torch.cuda.get_device_properties(0)
         try:
@@ -480,11 +503,13 @@ def describe_host(torch: Any, cuda: bool) -> None:
             f"device cuda:0 {props.name} ({props.total_memory / MIB:.0f} MiB), {gpu_uuid()}, driver {driver}"
         )
         print(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}")
+        host.update(device=props.name, driver=driver)
     else:
         threads = torch.get_num_threads()
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"device cpu ({os.cpu_count()} cores, torch threads {threads}, load {load}); NVML rows n/a")
         print("note: CPU rates move with whatever else the machine runs; quote them from an idle host")
+    return host
 
 
 if __name__ == "__main__":
