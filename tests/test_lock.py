@@ -18,7 +18,8 @@ from gpu_mon.engine import lock
 def conf(tmp_path: Path, state: Path) -> Path:
     return write_config(
         tmp_path / "gpu_mon.conf",
-        f"[defaults]\ninterval_seconds = 0.2\nstate_file = {state}\n[gpu-all]\ngpus = ALL\n",
+        f"[defaults]\ninterval_seconds = 0.2\nstate_file = {state}\n[gpu-all]\ngpus = ALL\n"
+        f"[history]\npath = {tmp_path}/history.sqlite\n",
     )
 
 
