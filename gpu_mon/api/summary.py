@@ -1,8 +1,10 @@
 """What the history says about a period: per GPU, per process, per user, per day. Pure functions on what
 api/historydb.py reads; `gpu-mon report` renders them, and Python users may call `summarize` directly.
 
-Every second of the period is in exactly one of a GPU's five states; time the history does not cover (no
-daemon was running) counts as unknown, so the five durations add up to the period.
+Every second of the period is in exactly one of a GPU's five columns (COLUMNS); time the history does not
+cover (no daemon was recording) counts as unknown, and is also given apart as `not_recorded`, so the five
+durations add up to the period. The per-GPU rows, the per-day rows and the total are sums of the same
+cells (one per GPU and day), so they agree to the second.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpu_mon.api import historydb
 
-STATES = ("harvesting", "foreign", "idle", "paused", "unknown")
+STATES = ("harvesting", "foreign", "idle", "paused", "unknown")  # as the history records them
+COLUMNS = ("harvested", "foreign", "idle", "paused", "unknown")  # as reports name them, in that order
+NOT_RECORDED = "not_recorded"  # the part of unknown with no record at all
+_COLUMN = dict(zip(STATES, COLUMNS))
+Cells = List[Dict[str, Dict[str, float]]]  # per bin, per GPU uuid: column (and NOT_RECORDED) -> seconds
 
 
 def percentile(values: Sequence[float], pct: float) -> Optional[float]:
@@ -25,40 +31,110 @@ def percentile(values: Sequence[float], pct: float) -> Optional[float]:
     return ordered[max(0, math.ceil(len(ordered) * pct / 100) - 1)]
 
 
+def day_edges(since: float, until: float) -> List[float]:
+    """since, every local midnight after it and before until, until: the bins of the per-day rows."""
+    return _edges(since, until, datetime.timedelta(days=1), lambda d: d.replace(hour=0, minute=0))
+
+
+def hour_edges(since: float, until: float, minutes: int = 60) -> List[float]:
+    """since, every `minutes` of the local clock (a divisor of 60) after it and before until, until."""
+    return _edges(
+        since,
+        until,
+        datetime.timedelta(minutes=minutes),
+        lambda d: d.replace(minute=d.minute // minutes * minutes),
+    )
+
+
+def _edges(since: float, until: float, step: datetime.timedelta, floor) -> List[float]:
+    mark = floor(datetime.datetime.fromtimestamp(since).replace(second=0, microsecond=0))
+    edges = [since]
+    while True:
+        mark += step  # local wall-clock steps: a day is 23 or 25 h across a DST change
+        t = mark.timestamp()
+        if t >= until:
+            return [*edges, until]
+        if t > edges[-1]:
+            edges.append(t)
+
+
+def cells(uuids: Sequence[str], spans: List[historydb.Span], edges: Sequence[float]) -> Cells:
+    """Seconds in each column per bin [edges[i], edges[i+1]) and GPU; a GPU's time in a bin that no span
+    covers is unknown and not recorded. Spans of GPUs not in `uuids` are left out."""
+    out: Cells = [{u: dict.fromkeys((*COLUMNS, NOT_RECORDED), 0.0) for u in uuids} for _ in edges[:-1]]
+    known = set(uuids)
+    for s in spans:  # each span visits only the bins it touches
+        if s.key not in known:
+            continue
+        column = _COLUMN.get(s.kind, "unknown")
+        i = max(0, bisect.bisect_right(edges, s.start) - 1)
+        while i < len(out) and edges[i] < s.end:
+            out[i][s.key][column] += s.within(edges[i], edges[i + 1])
+            i += 1
+    for i, row in enumerate(out):
+        for seconds in row.values():
+            missing = max(0.0, (edges[i + 1] - edges[i]) - sum(seconds[c] for c in COLUMNS))
+            seconds["unknown"] += missing
+            seconds[NOT_RECORDED] += missing
+    return out
+
+
+def _sum(parts: Sequence[Dict[str, float]]) -> Dict[str, float]:
+    total = dict.fromkeys((*COLUMNS, NOT_RECORDED), 0.0)
+    for p in parts:
+        for k in total:
+            total[k] += p[k]
+    return total
+
+
+def _seconds(totals: Dict[str, float]) -> Dict[str, float]:
+    return {f"{k}_seconds": round(v, 1) for k, v in totals.items()}
+
+
+def _latency(ms: List[float]) -> dict:
+    p50, p99 = percentile(ms, 50), percentile(ms, 99)
+    return {
+        "preemptions": len(ms),
+        "yield_ms_p50": round(p50, 1) if p50 is not None else None,
+        "yield_ms_p99": round(p99, 1) if p99 is not None else None,
+    }
+
+
 def gpu_rows(
     gpus: List[Tuple[str, Optional[int], Optional[str]]],
-    spans: List[historydb.Span],
+    grid: Cells,
     yields: List[Tuple[float, str, float]],
-    since: float,
-    until: float,
 ) -> List[dict]:
-    """One row per GPU: seconds in each state, preemptions and yield latency (open to SIGTERM)."""
+    """One row per GPU: seconds in each column over all bins, preemptions and yield latency (open to
+    SIGTERM)."""
     out = []
-    by_gpu: Dict[str, List[historydb.Span]] = {}
-    for s in spans:
-        by_gpu.setdefault(s.key, []).append(s)
     for uuid, index, name in gpus:
-        seconds = dict.fromkeys(STATES, 0.0)
-        for s in by_gpu.get(uuid, ()):
-            seconds[s.kind if s.kind in seconds else "unknown"] += s.within(since, until)
-        seconds["unknown"] += max(0.0, (until - since) - sum(seconds.values()))
         ms = [t for _time, u, t in yields if u == uuid]
-        p50, p99 = percentile(ms, 50), percentile(ms, 99)
-        out.append(
-            {
-                "uuid": uuid,
-                "index": index,
-                "name": name,
-                **{
-                    f"{'harvested' if k == 'harvesting' else k}_seconds": round(v, 1)
-                    for k, v in seconds.items()
-                },
-                "preemptions": len(ms),
-                "yield_ms_p50": round(p50, 1) if p50 is not None else None,
-                "yield_ms_p99": round(p99, 1) if p99 is not None else None,
-            }
-        )
+        row = {"uuid": uuid, "index": index, "name": name}
+        out.append({**row, **_seconds(_sum([r[uuid] for r in grid])), **_latency(ms)})
     return out
+
+
+def day_rows(grid: Cells, edges: Sequence[float], yields: List[Tuple[float, str, float]]) -> List[dict]:
+    """Per bin (a local calendar day for `report`): seconds in each column, all GPUs together, and the
+    preemptions in it."""
+    times = [t for t, _u, _ms in yields]
+    return [
+        {
+            "day": datetime.datetime.fromtimestamp(edges[i]).date().isoformat(),
+            **_seconds(_sum(list(row.values()))),
+            "preemptions": bisect.bisect_left(times, edges[i + 1]) - bisect.bisect_left(times, edges[i]),
+        }
+        for i, row in enumerate(grid)
+    ]
+
+
+def total_row(grid: Cells, yields: List[Tuple[float, str, float]]) -> dict:
+    """All GPUs over the whole period: what the per-GPU rows and the per-day rows both add up to."""
+    return {
+        **_seconds(_sum([s for row in grid for s in row.values()])),
+        **_latency([ms for _t, _u, ms in yields]),
+    }
 
 
 def process_rows(
@@ -96,38 +172,21 @@ def user_rows(
     )
 
 
-def day_rows(spans: List[historydb.Span], since: float, until: float) -> List[dict]:
-    """Per local calendar day: seconds in each state, all GPUs together (the covered time only)."""
-    first = datetime.datetime.fromtimestamp(since).replace(hour=0, minute=0, second=0, microsecond=0)
-    bounds = [first]
-    while bounds[-1].timestamp() < until:
-        bounds.append(bounds[-1] + datetime.timedelta(days=1))
-    edges = [b.timestamp() for b in bounds]
-    totals = [dict.fromkeys(STATES, 0.0) for _ in edges[:-1]]
-    for s in spans:  # each span visits only the days it touches
-        i = max(0, bisect.bisect_right(edges, max(s.start, since)) - 1)
-        while i < len(totals) and edges[i] < min(s.end, until):
-            kind = s.kind if s.kind in STATES else "unknown"
-            totals[i][kind] += s.within(max(since, edges[i]), min(until, edges[i + 1]))
-            i += 1
-    return [
-        {"day": bounds[i].date().isoformat(), **{f"{k}_seconds": round(v, 1) for k, v in t.items()}}
-        for i, t in enumerate(totals)
-    ]
-
-
 def summarize(conn: object, since: float, until: float) -> dict:
     """The whole report of [since, until) (the JSON of `gpu-mon report --json`)."""
     spans = historydb.intervals(conn, since, until)  # type: ignore[arg-type]
+    gpus = historydb.gpus(conn)  # type: ignore[arg-type]
+    yields = historydb.preemptions(conn, since, until)  # type: ignore[arg-type]
+    edges = day_edges(since, until)
+    grid = cells([g[0] for g in gpus], spans, edges)
     return {
         "since": _iso(since),
         "until": _iso(until),
-        "gpus": gpu_rows(
-            historydb.gpus(conn), spans, historydb.preemptions(conn, since, until), since, until
-        ),  # type: ignore[arg-type]
+        "gpus": gpu_rows(gpus, grid, yields),
         "processes": process_rows(historydb.runs(conn, since, until), since, until),  # type: ignore[arg-type]
         "users": user_rows(spans, historydb.idle_episodes(conn, since, until), since, until),  # type: ignore[arg-type]
-        "days": day_rows(spans, since, until),
+        "days": day_rows(grid, edges, yields),
+        "total": total_row(grid, yields),
     }
 
 

@@ -90,41 +90,45 @@ def _table(headers: List[str], rows: List[List[str]]) -> List[str]:
 
 
 def render(doc: dict, by: str) -> List[str]:
-    """The report as text: a header and the table `by` asks for (hours; minutes for up to 6 hours)."""
+    """The report as text: a header and the table `by` asks for (GPU-hours; GPU-minutes for up to 6
+    hours). The per-GPU and the per-day tables have the same columns and the same total."""
     span = datetime.datetime.fromisoformat(doc["until"]) - datetime.datetime.fromisoformat(doc["since"])
     minutes = span.total_seconds() <= 6 * 3600
+    unit = "GPU-minutes" if minutes else "GPU-hours"
     _hours = _in(60.0 if minutes else 3600.0)
-    lines = [f"gpu-mon report: {doc['since']} to {doc['until']} ({'minutes' if minutes else 'hours'})", ""]
-    if by == "gpu":
-        rows = [
-            [
-                f"{g['index']} {g['uuid']}",
-                _hours(g["harvested_seconds"]),
-                _hours(g["foreign_seconds"]),
-                _hours(g["idle_seconds"]),
-                _hours(g["paused_seconds"]),
-                _hours(g["unknown_seconds"]),
-                str(g["preemptions"]),
-                "-" if g["yield_ms_p50"] is None else f"{g['yield_ms_p50']:.0f} / {g['yield_ms_p99']:.0f}",
-            ]
-            for g in doc["gpus"]
-        ]
-        heads = [
-            "GPU",
-            "harvested",
-            "foreign",
-            "idle",
-            "paused",
-            "unknown",
-            "preemptions",
-            "yield ms p50/p99",
-        ]
-        return lines + _table(heads, rows)
-    if by == "day":
-        rows = [[d["day"], *(_hours(d[f"{s}_seconds"]) for s in summary.STATES)] for d in doc["days"]]
-        return lines + _table(["day", *summary.STATES], rows)
+    lines = [f"gpu-mon report: {doc['since']} to {doc['until']} ({unit})", ""]
+    if by in ("gpu", "day"):
+        return lines + _state_table(doc, by, _hours) + ["", _unknown_note(doc["total"], _hours)]
     if by == "process":
         rows = [[p["name"], str(p["runs"]), _hours(p["gpu_seconds"])] for p in doc["processes"]]
         return lines + _table(["process", "runs", "GPU time"], rows)
     rows = [[u["user"], _hours(u["gpu_seconds"]), _hours(u["idle_holder_seconds"])] for u in doc["users"]]
     return lines + _table(["user", "GPU time", "as an idle holder"], rows)
+
+
+def _state_table(doc: dict, by: str, _hours) -> List[str]:
+    """A row per GPU (with its yield latency) or per day, and a total row when there is more than one."""
+
+    def cells(row: dict) -> List[str]:
+        return [*(_hours(row[f"{c}_seconds"]) for c in summary.COLUMNS), str(row["preemptions"])]
+
+    if by == "gpu":
+        rows = [[f"{g['index']} {g['uuid']}", *cells(g), _yield(g)] for g in doc["gpus"]]
+        total = ["all GPUs", *cells(doc["total"]), _yield(doc["total"])]
+        heads = ["GPU", *summary.COLUMNS, "preemptions", "yield ms p50/p99"]
+    else:
+        rows = [[d["day"], *cells(d)] for d in doc["days"]]
+        total = ["total", *cells(doc["total"])]
+        heads = ["day", *summary.COLUMNS, "preemptions"]
+    return _table(heads, [*rows, total] if len(rows) > 1 else rows)
+
+
+def _yield(row: dict) -> str:
+    return "-" if row["yield_ms_p50"] is None else f"{row['yield_ms_p50']:.0f} / {row['yield_ms_p99']:.0f}"
+
+
+def _unknown_note(total: dict, _hours) -> str:
+    """What unknown is made of, in the table's unit (the two parts add up to the unknown shown)."""
+    unknown, missing = _hours(total["unknown_seconds"]), _hours(total["not_recorded_seconds"])
+    unread = f"{float(unknown) - float(missing):.1f}"
+    return f"unknown: {unread} the GPU could not be read, {missing} not recorded (no daemon was running)"
