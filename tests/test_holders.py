@@ -444,3 +444,61 @@ def test_a_process_merely_named_like_a_monitor_is_not_one(devices, holding):
     p = holding.start(devices[0], name="nvidia-smi", argv0="nvidia-smi")
     h = holders.describe(p.pid, frozenset({"GPU-0"}))
     assert h is not None and h.name == "nvidia-smi" and h.monitor is False
+
+
+def _replace_node(path: str) -> None:
+    """Rename a simulated device file aside and make a new one at its path (as the simulator does)."""
+    os.rename(path, path + ".old")
+    Path(path).touch()
+
+
+def test_a_renamed_node_still_held_counts_by_what_is_held(devices, holding):
+    p = holding.start(devices[0])
+    s = scanner_for(*devices)
+    assert s.full().held[p.pid] == {"GPU-0"}
+    _replace_node(devices[0])  # the holder keeps the old inode; the path is a new file
+    targets, problems = holders.device_targets(gpus_for(*devices))
+    assert problems == {}
+    s.set_targets(targets)
+    assert s.full().held[p.pid] == {"GPU-0"}
+    assert s.changed().held[p.pid] == {"GPU-0"}
+    newcomer = holding.start(devices[0])  # the new node is GPU 0's too
+    assert s.full().held[newcomer.pid] == {"GPU-0"}
+
+
+def test_a_replaced_node_is_forgotten_once_nothing_holds_it(devices, holding):
+    p = holding.start(devices[0])
+    s = scanner_for(*devices)
+    s.full()
+    _replace_node(devices[0])
+    s.set_targets(holders.device_targets(gpus_for(*devices))[0])
+    assert s.full(maps=True).held[p.pid] == {"GPU-0"}
+    holding.stop(p)
+    late = holding.start(devices[0] + ".old")  # soon after: still counts (unsure means busy)
+    assert s.full(maps=True).held[late.pid] == {"GPU-0"}
+    holding.stop(late)
+    for _ in range(holders._MAPS_ROUNDS):  # every process's maps read once with no holder of the old node
+        s.full(maps=True)
+    other = holding.start(devices[0] + ".old")  # now an ordinary file that happens to have that inode
+    assert other.pid not in s.full(maps=True).held
+
+
+def test_a_memory_map_of_a_renamed_node_still_counts(tmp_path, devices, holding):
+    code = (
+        "import mmap, sys\n"
+        "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 4096); f.close()\n"
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    with open(devices[1], "wb") as f:
+        f.truncate(4096)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, devices[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    holding.procs.append(p)
+    assert p.stdout.readline() == b"ready\n"
+    s = scanner_for(*devices)
+    assert s.full(maps=True).held[p.pid] == {"GPU-1"}
+    _replace_node(devices[1])
+    s.set_targets(holders.device_targets(gpus_for(*devices))[0])
+    wait_for(lambda: p.pid in s.full(maps=True).held, what="the mapping found on its maps turn")
+    assert s.full(maps=True).held[p.pid] == {"GPU-1"}

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import foreign_opener_cmd, wait_for, workload_cmd
 
 from gpu_mon.api.model import Gpu, GpuProcess, GpuReading
 from gpu_mon.api.sim import MAX_SIM_BYTES, SimBackend, SimError
@@ -417,3 +420,27 @@ def test_close_is_harmless(tmp_path):
     b = SimBackend(str(write(tmp_path / "sim.json", {"gpus": []})))
     b.close()
     assert b.read() == GpuReading(gpus=())
+
+
+def test_a_held_device_file_that_is_renamed_keeps_its_gpu_busy(tmp_path, sim, daemon_factory):
+    d = daemon_factory(
+        f"[gpu-all]\ngpus = ALL\n\n[process-miner]\ncmd = {workload_cmd(tmp_path)}\ngpus = 0\nuser = root\n"
+    )
+    d.wait_running("miner")
+    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE)
+    try:
+        assert opener.stdout is not None and opener.stdout.readline() == b"open\n"
+        d.wait_log(rf"\[{opener.pid}\] holds .*; stopping miner")
+        os.rename(sim.device(0), sim.device(0) + ".old")  # the holder keeps the old inode
+        wait_for(lambda: os.path.exists(sim.device(0)), what="the daemon's next look making a new file")
+        d.signal(signal.SIGUSR1)  # answered after the round that made the new file
+        (line,) = d.wait_log(r"status: ")
+        assert line.endswith("0/2 GPUs running work; GPU 0 busy (root)"), line
+        assert d.workload("miner").get("state") != "running"
+    finally:
+        opener.kill()
+        opener.wait()
+    try:
+        d.wait_running("miner")  # and once the holder is gone, the GPU is free again
+    except AssertionError:
+        raise AssertionError(d.log()) from None

@@ -7,6 +7,11 @@ A character device matches by `st_rdev`, so a process holding the node under ano
 files match by (st_dev, st_ino), so hard links are found. /dev/nvidiactl and /dev/nvidia-uvm are not GPU
 nodes and attribute nothing.
 
+A held node counts by what is held, not by the path that exists now: when a GPU's node is replaced (a
+simulated device file renamed and made anew, a node recreated with another inode), the old node's keys are
+kept for that GPU (`retired`) while anything may still hold them, and dropped only after every process's
+memory maps have been read at least once without a match.
+
 A full scan stats every fd of every table of every process (50-95 ms for 1000 processes with 10 fds each
 on a 2-core VM). The incremental scan (`changed`) re-reads only processes whose signature changed: since
 Linux 6.2 `stat(/proc/PID/fd).st_size` is the open-fd count, and its inode and ctime tell a reused pid from
@@ -40,6 +45,7 @@ BUILTIN_MONITORS = ("nvidia-smi", "nvidia-persistenced", "nv-hostengine", "dcgm-
 _KCMP_FILES = 2
 _MAX_NODES = 256  # other namespaces' GPU nodes remembered (a hostile user could make many)
 _MAPS_ROUNDS = 30  # every process's maps are read at least once every this many maps scans
+_MAX_RETIRED = 64  # replaced nodes remembered per scanner (the oldest goes first)
 _KCMP_SYSCALL = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "ppc64le": 354, "s390x": 343}.get(
     platform.machine()
 )
@@ -61,6 +67,47 @@ class Targets:
 
     keys: Dict[DevKey, str] = field(default_factory=dict)
     inodes: Dict[Tuple[int, int], str] = field(default_factory=dict)  # (st_dev, st_ino) -> uuid
+
+
+@dataclass
+class _Retired:
+    """Keys of GPU nodes that were replaced by another node, each with its GPU and the maps scan when it was
+    replaced; kept while a process may still hold them."""
+
+    keys: Dict[DevKey, Tuple[str, int]] = field(default_factory=dict)
+    inodes: Dict[Tuple[int, int], Tuple[str, int]] = field(default_factory=dict)
+
+    def note(self, old: Targets, new: Targets, turn: int) -> None:
+        """Remember the old targets' keys that `new` no longer has, for GPUs that are still there."""
+        live = set(new.keys.values())
+        _keep(self.keys, old.keys, new.keys, live, turn)
+        _keep(self.inodes, old.inodes, new.inodes, live, turn)
+
+    def merged(self, given: Targets) -> Targets:
+        """The targets to match: the given ones, and the replaced nodes of the same GPUs."""
+        keys = {**{k: u for k, (u, _t) in self.keys.items()}, **given.keys}
+        inodes = {**{k: u for k, (u, _t) in self.inodes.items()}, **given.inodes}
+        return Targets(keys, inodes)
+
+    def prune(self, matched: Set[object], turn: int) -> bool:
+        """Forget replaced nodes that nothing matched, once every process's maps were read since they were
+        replaced; True if any was forgotten."""
+        before = len(self.keys) + len(self.inodes)
+        for table in (self.keys, self.inodes):
+            for key, (_uuid, since) in list(table.items()):
+                if key not in matched and turn - since >= _MAPS_ROUNDS:
+                    del table[key]
+        return len(self.keys) + len(self.inodes) != before
+
+
+def _keep(table: Dict, old: Dict, new: Dict, live: Set[str], turn: int) -> None:
+    for key, uuid in old.items():
+        if key not in new and uuid in live:
+            table.setdefault(key, (uuid, turn))
+    for key in [k for k, (u, _t) in table.items() if k in new or u not in live]:
+        del table[key]  # in use again, or its GPU is gone
+    while len(table) > _MAX_RETIRED:
+        del table[next(iter(table))]
 
 
 def device_targets(gpus: Iterable[Gpu]) -> Tuple[Targets, Dict[str, str]]:
@@ -139,8 +186,15 @@ class ScanResult:
 class _Reader:
     """Reads one process's fd tables and maps against the targets."""
 
-    def __init__(self, proc: str, targets: Targets, extra_nodes: Dict[Tuple[int, int], Tuple[str, str]]):
+    def __init__(
+        self,
+        proc: str,
+        targets: Targets,
+        extra_nodes: Dict[Tuple[int, int], Tuple[str, str]],
+        matched: Optional[Set[object]] = None,
+    ):
         self.proc, self.targets, self.extra_nodes = proc, targets, extra_nodes
+        self.matched: Set[object] = set() if matched is None else matched  # keys and inodes that matched
 
     def table(self, fd_dir: str, pid: str, found: Set[str], nodes: Set[Tuple[str, str]]) -> bool:
         """Add the GPUs one fd table holds; False if we may not read it."""
@@ -167,6 +221,7 @@ class _Reader:
                 continue
             if uuid:
                 found.add(uuid)
+                self.matched.add(device_key(st))
                 self._note_node(pid, f"{fd_dir}/{name}", st, uuid, nodes)
         return True
 
@@ -217,7 +272,9 @@ class _Reader:
             except ValueError:
                 continue
             uuid = inodes.get(key)
-            if uuid is None and parts[5].startswith(b"/dev/"):  # a node we do not know: a container's?
+            if uuid is not None:
+                self.matched.add(key)
+            elif parts[5].startswith(b"/dev/"):  # a node we do not know: a container's?
                 uuid = self._mapped_device(pid, parts[0])
             if uuid:
                 found.add(uuid)
@@ -240,7 +297,11 @@ class HolderScanner:
         self.skip = {str(p) for p in skip_pids}
         self.incremental = proc == procfs.PROC and fd_count_supported(proc)
         self._cache: Dict[str, _Entry] = {}
-        self._targets = Targets()
+        self._given = Targets()  # the current nodes
+        self._targets = Targets()  # those and the replaced ones still held (see _Retired)
+        self._retired = _Retired()
+        self._matched: Set[object] = set()  # keys that matched in the current full scan
+        self._maps_scans = 0
         # Nodes of other mount namespaces seen holding a GPU: (st_dev, st_ino) -> (uuid, path to watch).
         self.extra_nodes: Dict[Tuple[int, int], Tuple[str, str]] = {}
         self._vm_seen: Dict[str, int] = {}  # pid -> mapped pages when its maps were last read
@@ -258,7 +319,7 @@ class HolderScanner:
 
     def _read(self, pid: str, maps: bool, old: Optional[_Entry]) -> Optional[_Entry]:
         """Read one process; None if it vanished."""
-        reader = _Reader(self.proc, self._targets, self.extra_nodes)
+        reader = _Reader(self.proc, self._targets, self.extra_nodes, self._matched)
         found: Set[str] = set()
         nodes: Set[Tuple[str, str]] = set()
         readable = reader.table(f"{self.proc}/{pid}/fd", pid, found, nodes)
@@ -287,13 +348,18 @@ class HolderScanner:
         st = procfs.read_stat(int(pid), self.proc)
         if st is None or st.state in ("Z", "X") or st.kernel_thread:
             return None  # (a kernel thread, like kthreadd, refuses non-root too, and holds no files)
-        return _Entry(None, _DENIED)
+        # Its signature (readable to anyone) tells when it opens or closes a file: only then is it read again.
+        return _Entry(self._signature(pid) if self.incremental else None, _DENIED)
 
     def set_targets(self, targets: Targets) -> None:
-        """Use these device nodes; a change forgets the cache (the next scan reads everything)."""
-        if targets != self._targets:
-            self._targets = targets
-            self._cache.clear()
+        """Use these device nodes (and, for the same GPUs, the nodes they replaced while those may still be
+        held); a change forgets the cache (the next scan reads everything)."""
+        if targets == self._given:
+            return
+        self._retired.note(self._given, targets, self._maps_scans)
+        self._given = targets
+        self._targets = self._retired.merged(targets)
+        self._cache.clear()
 
     def full(self, pids: Optional[Iterable[str]] = None, maps: bool = False) -> ScanResult:
         """Read the fds of every process (or of `pids` only, merged into the last result). With `maps`, also
@@ -308,6 +374,9 @@ class HolderScanner:
             result = ScanResult()
         if maps:
             self._maps_turn = (self._maps_turn + 1) % _MAPS_ROUNDS
+            self._maps_scans += 1
+        if result.full:
+            self._matched.clear()
         for pid in pids:
             if pid not in self.skip:
                 due = maps and self._maps_due(pid)
@@ -315,6 +384,8 @@ class HolderScanner:
         if maps and result.full:
             live = self._cache.keys()
             self._vm_seen = {p: v for p, v in self._vm_seen.items() if p in live}
+            if self._retired.prune(self._matched, self._maps_scans):
+                self._targets = self._retired.merged(self._given)  # nothing held them: no entry changes
         return self._result(result)
 
     def _maps_due(self, pid: str) -> bool:
