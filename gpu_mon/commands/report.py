@@ -25,10 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--since", default="7d", metavar="WHEN", help="7d, 12h, 2026-11-01 or 2026-11-01T08:00 (7d)"
     )
     p.add_argument("--until", default=None, metavar="WHEN", help="the same forms (default: now)")
-    p.add_argument("--by", choices=("gpu", "day", "process", "user"), default="gpu", help="the table (gpu)")
+    p.add_argument(
+        "--by",
+        choices=("gpu", "day", "process", "user"),
+        default="gpu",
+        help="a row per GPU (the default), per day, per [process-*] section or per user",
+    )
     p.add_argument("--json", action="store_true", help="everything, machine-readable")
     p.add_argument(
-        "--plot", metavar="FILE", help="a timeline per GPU and daily harvested GPU-hours (.png/.svg)"
+        "--plot", metavar="FILE", help="a timeline per GPU over bars of harvested GPU-hours (.png/.svg)"
     )
 
 
