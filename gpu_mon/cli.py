@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="act once (exit, shut down, reboot, run a command) when the GPUs go idle after being busy",
         description="Arm once the GPUs have been busy for --arm-duration, then act once when they have "
         "been idle for --kill-duration. A GPU that cannot be read counts as active. Exit 0 when "
-        "end_process fires, 1 when the action fails, 2 on bad usage.",
+        "end_process fires or SIGTERM/SIGINT/SIGQUIT stops it, 1 when the action fails, 2 on bad usage.",
     )
     _add_common(p, top=False)
     sentinel.add_arguments(p)

@@ -3,14 +3,17 @@ behind. Also: a reload never delays a yield, and untrusted names are escaped in 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import GPU_MON, WORKLOAD_PYTHON, pid_alive, workload_cmd
+from conftest import GPU_MON, WORKLOAD_PYTHON, pid_alive, wait_for, workload_cmd
 
 
 def miner(tmp_path: Path, extra: str = "") -> str:
@@ -107,3 +110,88 @@ def test_bidi_and_control_characters_are_escaped_everywhere(tmp_path, sim, daemo
     for text in (d.log(), status):
         assert "\u202e" not in text and "\x1b" not in text
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} gpu-mon\[", d.log(), re.M)
+
+
+# ---------------------------------------------------------------------------------------- stop signals
+# The daemon, the occupier and `gpu-mon sentinel` stop the same way on SIGTERM, SIGINT and SIGQUIT: one
+# line naming the signal, everything they started stopped, exit 0 (`watch` passes the signal on and exits
+# with its command's status: see test_watch.py).
+STOPS = [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT]
+STOP_IDS = ["TERM", "INT", "QUIT"]
+
+
+@pytest.mark.parametrize("sig", STOPS, ids=STOP_IDS)
+def test_the_daemon_names_the_signal_that_stops_it(tmp_path, sim, daemon_factory, sig):
+    d = daemon_factory(miner(tmp_path))
+    pid = d.wait_running("miner")
+    d.signal(sig)
+    assert d.proc.wait(20) == 0
+    assert not pid_alive(pid)
+    assert re.findall(r"INFO stopping on (\S+): 1 workload\(s\) to stop$", d.log(), re.M) == [sig.name]
+
+
+@pytest.mark.parametrize("sig", STOPS, ids=STOP_IDS)
+def test_the_sentinel_stops_on_a_signal_with_one_line_and_exit_0(tmp_path, sim, sig):
+    log_path = tmp_path / "sentinel.log"
+    env = {k: v for k, v in os.environ.items() if k != "GPU_MON_SIM"}
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(
+            [*GPU_MON, "--sim", str(sim.path), "sentinel", "--interval", "0.1"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            wait_for(lambda: "a tick every 0.1 s" in log_path.read_text(), what="the sentinel's start line")
+            proc.send_signal(sig)
+            assert proc.wait(20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text()
+    assert re.findall(r"INFO sentinel: stopping on (\S+)$", text, re.M) == [sig.name], text
+    assert "Traceback" not in text
+
+
+# Runs `gpu-mon occupy on ...` as a child subreaper, so that the detached occupier becomes its child when
+# `on` exits, and prints the occupier's pid and then, when it ends, its exit status.
+REAPER = """
+import ctypes, os, re, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+on = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+pid = int(re.search(r"pid (\\d+)", on.stdout).group(1))
+print(pid, flush=True)
+_pid, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", STOPS, ids=STOP_IDS)
+def test_the_occupier_stops_on_a_signal_like_the_daemon(tmp_path, sim, sig):
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_MON_SIM", "XDG_STATE_HOME")}
+    env.update(GPU_MON_SIM=str(sim.path), XDG_STATE_HOME=str(tmp_path / "state"))
+    occupy_log = tmp_path / "state" / "gpu-mon" / "occupy" / "occupy.log"
+    cmd = [WORKLOAD_PYTHON, "-c", "import time; time.sleep(600)"]
+    on = [*GPU_MON, "occupy", "on", "--wait-minutes", "0.01", "--refresh-minutes", "0.002", "--", *cmd]
+    reaper = subprocess.Popen([sys.executable, "-c", REAPER, *on], stdout=subprocess.PIPE, env=env, text=True)
+    occupier = 0
+    try:
+        assert reaper.stdout is not None
+        occupier = int(reaper.stdout.readline())
+        workload = wait_for(
+            lambda: [p.pid for p in psutil.Process(occupier).children(recursive=True)],
+            what="the occupier running its command",
+        )
+        os.kill(occupier, sig)
+        assert reaper.stdout.readline().strip() == "0"
+        assert reaper.wait(20) == 0
+        assert not [p for p in workload if pid_alive(p)]
+    finally:
+        if occupier and pid_alive(occupier):
+            os.kill(occupier, signal.SIGKILL)
+        reaper.kill()
+        reaper.wait()
+    text = occupy_log.read_text()
+    assert re.findall(r"INFO stopping on (\S+): 1 workload\(s\) to stop$", text, re.M) == [sig.name], text

@@ -210,6 +210,7 @@ def test_signals_are_forwarded_to_the_whole_tree(sim, watches, sig):
     w.proc.send_signal(sig)
     assert w.wait() == 5
     assert got.read_text().split() == [str(int(sig))]
+    assert re.findall(r"INFO forwarded (\S+) to \d+ process\(es\)$", w.log(), re.M) == [sig.name]
 
 
 def test_exit_status_of_a_command_killed_by_a_signal(sim, watches):

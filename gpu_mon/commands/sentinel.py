@@ -3,13 +3,15 @@ been idle for a while: end (exit 0), shut down, reboot, or run a command.
 
 Usage is the chosen GPUs' utilization (mean, or max so that one busy GPU keeps the machine up). A GPU that
 cannot be read counts as active: a monitoring error never shuts a machine down.
-Exit codes: 0 fired end_process; 1 the action failed; 2 bad usage.
+SIGTERM, SIGINT and SIGQUIT stop it cleanly, like the daemon: one line naming the signal, exit 0.
+Exit codes: 0 fired end_process or stopped by a signal; 1 the action failed; 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import time
 from typing import Optional, Tuple
 
@@ -18,9 +20,11 @@ from gpu_mon.api.observe import Backend
 from gpu_mon.commands import base
 from gpu_mon.config import KILL_ACTIONS, GpuSelection, SentinelSection, fraction, parse_command, parse_gpus
 from gpu_mon.engine.idle import Watchdog, action_argv, run_action
+from gpu_mon.engine.loop import Loop
 
 log = logging.getLogger("gpu_mon")
 _MIN_INTERVAL = 0.1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)  # the daemon's too
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,9 +118,28 @@ def _act(settings: SentinelSection) -> Optional[int]:
     return None
 
 
+def sleep_until(loop: Loop, deadline: float) -> str:
+    """Sleep until the monotonic `deadline`, or until a stop signal comes: then return its name."""
+    while True:
+        got = [sig for sig in STOP_SIGNALS if loop.take(sig)]
+        now = time.monotonic()
+        if got or now >= deadline:
+            return signal.Signals(got[0]).name if got else ""
+        loop.wait((deadline,), now)
+
+
 def cmd_sentinel(args: argparse.Namespace) -> int:
-    """Tick every --interval seconds until the action ends it (or a signal does)."""
+    """Tick every --interval seconds until the action ends it, or a stop signal does (exit 0)."""
     settings = settings_from(args)
+    loop = Loop()
+    loop.catch(STOP_SIGNALS)
+    try:
+        return _watch(args, settings, loop)
+    finally:
+        loop.close()
+
+
+def _watch(args: argparse.Namespace, settings: SentinelSection, loop: Loop) -> int:
     backend, source = base.backend(args)
     dog = Watchdog(settings, args.interval)
     log.info("%s; GPUs: %s, from %s", dog.describe(), settings.gpus, source)
@@ -133,6 +156,9 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
             now = time.monotonic()
             if next_tick < now:  # suspended or starved: do not make up for lost ticks in a burst
                 next_tick = now
-            time.sleep(next_tick - now)
+            name = sleep_until(loop, next_tick)
+            if name:
+                log.info("sentinel: stopping on %s", name)
+                return base.EXIT_OK
     finally:
         backend.close()

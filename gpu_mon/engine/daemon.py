@@ -190,11 +190,12 @@ class Daemon:
     def _take_signals(self, now: float) -> None:
         if self.loop.take(signal.SIGCHLD):
             self.supervisor.reap_orphans()
-        stops = sum(self.loop.take(s) for s in _STOP)
+        taken = [(s, self.loop.take(s)) for s in _STOP]
+        stops = sum(n for _s, n in taken)
         if stops:
             self.stopping += stops
             if self.stopping == stops:
-                self._shutdown(now)
+                self._shutdown(now, "on " + next(signal.Signals(s).name for s, n in taken if n))
             if self.stopping > 1:
                 self.supervisor.kill_all_now(now)  # a second SIGTERM: no more waiting
         if self.loop.take(signal.SIGUSR2):
@@ -549,10 +550,11 @@ class Daemon:
         self._round(now, scan=None)  # and publish what the reload stopped
         self.loop.announce("ready")
 
-    def _shutdown(self, now: float) -> None:
+    def _shutdown(self, now: float, why: str = "") -> None:
+        """Stop every workload; one line says why (`stopping on SIGTERM: 2 workload(s) to stop`)."""
         self.loop.announce("stopping")
-        if self.supervisor.workloads:
-            self._say(f"stopping: {len(self.supervisor.workloads)} workload(s) to stop")
+        count = len(self.supervisor.workloads)
+        self._say(f"stopping{' ' + why if why else ''}{f': {count} workload(s) to stop' if count else ''}")
         self.supervisor.stop_all("gpu-mon is stopping", now)
 
     def _finish(self) -> None:
