@@ -190,6 +190,10 @@ def main() -> int:
                     "alloc_ms": (out["t_alloc"] - out["t_init"]) / 1e6,
                 }
             )
+            if a.json:  # after every trial: a run cut short still leaves the trials it finished
+                summary = {"gpu": first.gpus[0].name, "total_mib": total, "memory": a.memory}
+                doc = {**summary, "foreign": a.foreign, "trials_asked": a.trials, "trials": trials}
+                Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
             print(
                 f"trial {trial + 1}: ours held {ours_mib} MiB; foreign cuInit->ready {ready_ms:.0f} ms, "
                 f"free at its init {out['free_at_init_mib']} MiB, half-memory allocation "
@@ -227,14 +231,6 @@ def main() -> int:
             "foreign cuInit->ready p50 ms",
         ]
         print(table(headers, rows))
-        if a.json:
-            summary = {
-                "gpu": first.gpus[0].name,
-                "total_mib": total,
-                "memory": a.memory,
-                "foreign": a.foreign,
-            }
-            Path(a.json).write_text(json.dumps({**summary, "trials": trials}, indent=1) + "\n")
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:

@@ -1,0 +1,254 @@
+"""bench/gpu_proof.py without a GPU: its plan, its one-line exit when there is no usable GPU, the table
+rendered from a recorded run (a hand-written, clearly synthetic record), the judges, and a check's process
+tree ended at its budget or on Ctrl-C with nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import psutil
+import pytest
+from conftest import ROOT, wait_for
+
+sys.path.insert(0, str(ROOT / "bench"))
+from proof import checks, render
+
+PROOF = [sys.executable, str(ROOT / "bench" / "gpu_proof.py")]
+SYNTHETIC = Path(__file__).resolve().parent / "data" / "gpu_proof_synthetic.json"
+
+
+def proof(
+    *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    return subprocess.run([*PROOF, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_plan_lists_every_check_with_its_readme_claim():
+    r = proof("--plan")
+    assert r.returncode == 0, r.stderr
+    for number, check in enumerate(checks.CHECKS, 1):
+        assert f"{number:2}. {check.name}: " in r.stdout
+        assert f"README: {check.claim}" in r.stdout
+        assert f"holds if: {check.holds_if}" in r.stdout
+    assert "at most 20 min in all (8 min with --quick)" in r.stdout
+
+
+def test_budgets_fit_the_promised_run_times():
+    quick, full = (sum(c.budget[i] for c in checks.CHECKS) for i in (0, 1))
+    assert quick <= 8 * 60 and full <= 20 * 60, (quick, full)
+
+
+def test_only_with_an_unknown_check_is_one_line_and_exit_2():
+    r = proof("--plan", "--only", "nvml-cost,stres")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "gpu_proof.py: --only: unknown check 'stres' (known: "
+        + ", ".join(c.name for c in checks.CHECKS)
+        + ")"
+    ]
+    r = proof("--plan", "--only", "stress,nvml-cost")
+    assert [line.split(":")[0] for line in r.stdout.splitlines() if line[:2].strip().isdigit()] == [
+        " 1. nvml-cost",
+        " 2. stress",
+    ]
+
+
+FAKE_PYNVML = {
+    "driver not loaded": (
+        "class NVMLError(Exception):\n    pass\ndef nvmlInit():\n    raise NVMLError('Driver Not Loaded')\n",
+        "no NVIDIA GPU: NVML cannot start: Driver Not Loaded; nothing measured",
+    ),
+    "no device": (
+        "def nvmlInit():\n    pass\ndef nvmlShutdown():\n    pass\ndef nvmlDeviceGetCount():\n    return 0\n"
+        "def nvmlSystemGetCudaDriverVersion():\n    return 13000\n"
+        "def nvmlSystemGetDriverVersion():\n    return '580.0'\n",
+        "no NVIDIA GPU: NVML lists no GPU; nothing measured",
+    ),
+    "pynvml missing": (
+        "raise ImportError('No module named pynvml')\n",
+        "no NVIDIA GPU: nvidia-ml-py (pynvml) is not installed; nothing measured",
+    ),
+    "NVML hangs": (
+        "import time\ndef nvmlInit():\n    time.sleep(60)\n",
+        "no NVIDIA GPU: NVML did not answer within 4 s; nothing measured",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKE_PYNVML))
+def test_without_a_gpu_one_line_exit_2_within_5_s(tmp_path, case):
+    """A stand-in pynvml first on the path makes every case happen here (and on a GPU machine)."""
+    module, line = FAKE_PYNVML[case]
+    (tmp_path / "pynvml.py").write_text(module)
+    sim = tmp_path / "host.json"  # a simulated GPU is not a GPU: the proof never uses one
+    sim.write_text(json.dumps({"gpus": [{"uuid": "GPU-1", "memory_total_mib": 1, "memory_used_mib": 0}]}))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), GPU_MON_SIM=str(sim))
+    start = time.monotonic()
+    r = proof("--quick", env=env)
+    took = time.monotonic() - start
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", line + "\n")
+    assert took < 5, took
+
+
+def test_from_json_renders_the_recorded_run():
+    r = proof("--from-json", str(SYNTHETIC), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    verdicts = {c["name"]: c["verdict"] for c in json.loads(r.stdout)["checks"]}
+    assert verdicts == {
+        "nvml-cost": "holds",
+        "memory-v2": "differs",  # its test failed and its figures are outside the bound
+        "handoff-torch": "holds",
+        "handoff-libcuda": "differs",  # one of two trials ran out of memory
+        "stress": "holds",
+        "utilization": "failed",  # ran past its budget with no figures
+        "watch": "holds",
+        "occupy": "failed",  # its test was skipped
+        "sentinel": "holds",
+        "status": "holds",
+    }
+
+
+def test_from_json_text_and_markdown_carry_the_header_and_every_row():
+    text = proof("--from-json", str(SYNTHETIC)).stdout
+    lines = text.splitlines()
+    assert lines[0].startswith("SYNTHETIC DATA, NOT A MEASUREMENT")
+    assert "GPU 0: Synthetic GPU (1000 MiB)" in text and "driver 0.0.0, CUDA 0.0" in text
+    assert any(line.startswith("handoff-libcuda") and line.endswith("differs") for line in lines)
+    assert "utilization left a process running (ended by the proof): 1234 python3" in text
+    md = proof("--from-json", str(SYNTHETIC), "--format", "markdown").stdout
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0] == "| check | README claims | measured | verdict |"
+    assert [row.split(" | ")[0] for row in table[1:]] == [f"| {c.name}" for c in checks.CHECKS]
+    assert table[5].startswith("| stress | bf16 686 vs 690 TFLOP/s") and table[5].endswith("| holds |")
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read {path}: No such file or directory"),
+        ("{not json", "{path}: not JSON: "),
+        ('{"checks": 3}', "{path}: not a gpu_proof record (no list of checks)"),
+    ],
+    ids=["missing", "not-json", "not-a-record"],
+)
+def test_from_json_bad_file_is_one_line_and_exit_2(tmp_path, content, message):
+    path = tmp_path / "proof.json"
+    if content is not None:
+        path.write_text(content)
+    r = proof("--from-json", str(path))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("gpu_proof.py: --from-json: " + message.format(path=path))
+
+
+def test_a_recorded_check_that_was_interrupted_keeps_its_figures_and_says_so():
+    record = json.loads(SYNTHETIC.read_text())
+    entry = next(c for c in record["checks"] if c["name"] == "handoff-torch")
+    entry["why"] = "interrupted (SIGINT)"
+    verdict, measured = render.judged(entry)
+    assert verdict == "holds" and measured.endswith("; interrupted (SIGINT)")
+    assert render.judged({"name": "stress", "why": None, "figures": {}}) == ("failed", "it wrote no figures")
+    assert render.judged({"name": "gone", "figures": {"x": 1}})[0] == "failed"
+
+
+def test_handoff_judge_wants_memory_freed_before_the_foreign_process_is_ready():
+    trial = {"ok": True, "ours_mib": 1024, "freed_ms": 250.0, "ready_ms": 200.0}
+    late = {"memory": "88%", "trials": [trial]}
+    assert checks.handoff(need_margin=True)(late)[0] == "differs"  # freed after it was ready: no margin
+    assert checks.handoff(need_margin=False)(late)[0] == "holds"  # no out-of-memory is the libcuda bound
+    assert checks.handoff(need_margin=True)({"trials": []}) == ("failed", "no trial ran")
+
+
+def test_tested_judge_counts_only_tests_that_ran():
+    judge = checks.tested(checks.sentinel)
+    assert judge({}) == ("failed", "no test result")
+    error = {"outcomes": {"test_a": "error: fixture 'x' not found"}}
+    assert judge(error) == ("failed", "test_a: error: fixture 'x' not found")
+    early = {"outcomes": {"test_a": "failed: AssertionError: never armed"}}
+    assert judge(early) == ("differs", "test_a: failed: AssertionError: never armed")
+    silent = {"outcomes": {"test_a": "passed"}}
+    assert judge(silent) == ("failed", "a test recorded no figure 'fired_count'")
+
+
+def test_stress_judge_follows_the_benchmarks_own_verdicts():
+    figures = json.loads(SYNTHETIC.read_text())["checks"][4]["figures"]
+    assert checks.stress(figures)[0] == "holds"
+    figures["rows"][0]["result"] = "MISS"
+    assert checks.stress(figures)[0] == "differs"
+    figures["rows"][0]["result"] = "ERROR"
+    figures["rows"][0]["reference"] = "RuntimeError: no 'stress: start ' line"
+    assert checks.stress(figures) == ("failed", "RuntimeError: no 'stress: start ' line")
+
+
+# ----- a check's processes are ended at its budget and on Ctrl-C
+
+DRIVER = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {bench!r})
+    from pathlib import Path
+    from proof import run
+    run.become_subreaper()
+    run.catch_signals()
+    # a check whose grandchild leaves its session, as the daemon's workloads do
+    script = "setsid sleep 997 & echo $! > {pidfile}; wait"
+    outcome = run.run(["sh", "-c", script], float(sys.argv[1]), Path({log!r}), dict(os.environ), Path("/"))
+    print(json.dumps({{"why": outcome.why, "left": outcome.left, "interrupted": outcome.interrupted}}))
+    """
+)
+
+
+def _driver(tmp_path: Path, budget: float) -> subprocess.Popen:
+    pidfile = tmp_path / "grandchild.pid"
+    code = DRIVER.format(bench=str(ROOT / "bench"), pidfile=pidfile, log=str(tmp_path / "check.log"))
+    return subprocess.Popen([sys.executable, "-c", code, str(budget)], stdout=subprocess.PIPE, text=True)
+
+
+def _grandchild(tmp_path: Path) -> psutil.Process:
+    pidfile = tmp_path / "grandchild.pid"
+    wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the check's grandchild")
+    child = psutil.Process(int(pidfile.read_text()))
+    wait_for(lambda: child.cmdline() == ["sleep", "997"], what="setsid to become sleep 997")
+    return child
+
+
+def _end(driver: subprocess.Popen, grandchild: psutil.Process) -> None:
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait()
+    if grandchild.is_running() and grandchild.cmdline() == ["sleep", "997"]:
+        grandchild.kill()
+
+
+def test_a_check_past_its_budget_is_ended_with_everything_it_started(tmp_path):
+    driver = _driver(tmp_path, budget=1)
+    grandchild = _grandchild(tmp_path)
+    try:
+        out, _ = driver.communicate(timeout=60)
+        result = json.loads(out)
+        assert result["why"] == "ran past its budget of 1 s" and not result["interrupted"]
+        assert result["left"] == [f"{grandchild.pid} sleep 997"]
+        assert not grandchild.is_running()
+    finally:
+        _end(driver, grandchild)
+
+
+def test_ctrl_c_ends_the_running_check_and_everything_it_started(tmp_path):
+    driver = _driver(tmp_path, budget=300)
+    grandchild = _grandchild(tmp_path)
+    try:
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=60)
+        result = json.loads(out)
+        assert result["why"] == "interrupted (SIGINT)" and result["interrupted"]
+        assert result["left"] == [f"{grandchild.pid} sleep 997"]
+        assert not grandchild.is_running()
+    finally:
+        _end(driver, grandchild)
