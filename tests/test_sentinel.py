@@ -316,4 +316,4 @@ def test_check_reports_a_sentinel_gpu_that_is_not_there(tmp_path: Path, sim):
         [*GPU_MON, "--config", str(conf), "--sim", str(sim.path), "check"], capture_output=True, text=True
     )
     assert r.returncode == 2
-    assert f"{conf}:4: [sentinel] gpus: no GPU with index 5 (this host has 2)" in r.stderr
+    assert f"{conf}:5: [sentinel] gpus: no GPU with index 5 (this host has 2)" in r.stderr
