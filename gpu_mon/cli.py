@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
 import sys
@@ -23,18 +24,55 @@ from gpu_mon.config import DEFAULT_PATH, ConfigError
 from gpu_mon.outputs import logs
 
 
-def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
-    """--config, --sim and --debug, accepted (and listed in --help) before or after the command.
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors point at what was mistyped: a wrong option gets the usage of the command it
+    was given to, a mistyped command the nearest one's name."""
+
+    strict = False  # a command's parser: an option it does not know is its error, not the top level's
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        found, extras = super().parse_known_args(args, namespace)
+        if extras and self.strict:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return found, extras
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if not isinstance(action, argparse._SubParsersAction) or value in (action.choices or ()):
+            super()._check_value(action, value)
+            return
+        # Only the commands --help lists (not a hidden one such as occupy's `serve`).
+        shown = [a.dest for a in action._choices_actions] or list(action.choices or ())
+        near = difflib.get_close_matches(str(value), shown, n=1, cutoff=0.6)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise argparse.ArgumentError(
+            action, f"invalid choice: {value!r}{hint}; choose from {', '.join(shown)}"
+        )
+
+
+def _strict_commands(parser: argparse.ArgumentParser) -> None:
+    """Every command's parser (occupy's on/off/status too) reports its own unknown options."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.strict = True
+                _strict_commands(sub)
+
+
+def _add_common(p: argparse.ArgumentParser, top: bool, config: bool = True, sim: bool = True) -> None:
+    """--config, --sim and --debug, accepted (and listed in --help) before or after the command; a
+    command lists --config and --sim only if it reads them.
 
     After the command their default is SUPPRESS, so that a value given before it is kept."""
     d = None if top else argparse.SUPPRESS
-    p.add_argument("--config", metavar="PATH", default=d, help=f"config file (default {DEFAULT_PATH})")
-    p.add_argument(
-        "--sim",
-        metavar="FILE",
-        default=d,
-        help="simulated GPUs from a JSON file instead of NVML (tests, demos; also GPU_MON_SIM)",
-    )
+    if config:
+        p.add_argument("--config", metavar="PATH", default=d, help=f"config file (default {DEFAULT_PATH})")
+    if sim:
+        p.add_argument(
+            "--sim",
+            metavar="FILE",
+            default=d,
+            help="simulated GPUs from a JSON file instead of NVML (tests, demos; also GPU_MON_SIM)",
+        )
     p.add_argument(
         "--debug",
         action="store_true",
@@ -45,7 +83,7 @@ def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole `gpu-mon` argument parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gpu-mon",
         description="Run work on idle NVIDIA GPUs and yield the instant anyone else needs them.",
     )
@@ -53,15 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    p = sub.add_parser("run", help="the daemon, in the foreground (systemd runs it so); logs to stderr")
+    p = sub.add_parser(
+        "run",
+        help="the daemon, in the foreground (systemd runs it so); logs to stderr",
+        description="Run the daemon in the foreground until SIGTERM or Ctrl-C: watch the GPUs, start the "
+        "config's workloads on GPUs nobody else uses, stop them when someone needs one. Logs go to "
+        "stderr; SIGHUP reloads the config. Exit 1 when another daemon has the same state_file, 2 on a "
+        "bad config.",
+    )
     _add_common(p, top=False)
-    p = sub.add_parser("check", help="validate the config and check it against this host; exit 0 or 2")
+    p = sub.add_parser(
+        "check",
+        help="validate the config and check it against this host; exit 0 or 2",
+        description="Read the config and report every problem at once, with its file and line: then "
+        "check it against this host (the GPUs, users, commands and directories it names). Problems "
+        "that would stop the daemon exit 2; warnings alone exit 0.",
+    )
     _add_common(p, top=False)
     p = sub.add_parser("status", help="GPUs, who holds each, terminal users, workloads")
     _add_common(p, top=False)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("stress", help="built-in CUDA stressor (needs the gpu-mon[stress] extra)")
-    _add_common(p, top=False)
+    _add_common(p, top=False, config=False, sim=False)
     stress.add_arguments(p)
     p = sub.add_parser(
         "sentinel",
@@ -70,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "been idle for --kill-duration. A GPU that cannot be read counts as active. Exit 0 when "
         "end_process fires or SIGTERM/SIGINT/SIGQUIT stops it, 1 when the action fails, 2 on bad usage.",
     )
-    _add_common(p, top=False)
+    _add_common(p, top=False, config=False)
     sentinel.add_arguments(p)
     p = sub.add_parser(
         "watch",
@@ -78,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run CMD and stop its whole process tree when the GPUs it uses stay below the "
         "threshold for the last N samples: exit 124 then, else CMD's own exit status.",
     )
-    _add_common(p, top=False)
+    _add_common(p, top=False, config=False)
     watch.add_arguments(p)
     p = sub.add_parser(
         "occupy",
@@ -95,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read the daemon's [history] (read-only) and report on a period: a table, --json, or "
         "--plot FILE. Exit 1 when there is no history yet.",
     )
-    _add_common(p, top=False)
+    _add_common(p, top=False, sim=False)
     report.add_arguments(p)
+    _strict_commands(parser)
     return parser
 
 

@@ -77,6 +77,8 @@ class Defaults:
     watch_opens: bool = True
     state_file: str = "/run/gpu_mon/state.json"
     containment: str = "auto"  # auto (a cgroup where the daemon may create one), cgroup, subreaper
+    # The line each written key is on (not compared: moving a key in the file changes nothing).
+    key_lines: Tuple[Tuple[str, int], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class GpuSection:
     idle_holder_memory_mib: int = 1024
     idle_holder_utilization_pct: float = 1.0
     line: int = 0
+    # The line each written key is on (not compared: moving a key in the file changes nothing).
+    key_lines: Tuple[Tuple[str, int], ...] = field(default=(), compare=False)
     # Not in the INI file (`gpu-mon occupy` only): processes whose open files cannot be read do not make
     # the GPU busy. A plain user cannot read other users' processes; memory used and NVML's process list
     # still show what they do on the GPU.
@@ -125,6 +129,8 @@ class ProcessSection:
     stop_timeout_seconds: Optional[float] = None
     urgent_stop_timeout_seconds: Optional[float] = None
     line: int = 0
+    # The line each written key is on (not compared: moving a key in the file changes nothing).
+    key_lines: Tuple[Tuple[str, int], ...] = field(default=(), compare=False)
     fingerprint: Tuple[Tuple[str, str], ...] = ()  # the raw keys and values: a reload restarts on change
     # Not in the INI file (`gpu-mon occupy` only). together: per_gpu copies start only when all the
     # section's GPUs are free, and all stop when any is busy. hold: never stop for a busy GPU.
@@ -188,6 +194,8 @@ class SentinelSection:
     aggregate: str = "mean"  # or max: one busy GPU keeps the machine up
     dry_run: bool = False
     line: int = 0
+    # The line each written key is on (not compared: moving a key in the file changes nothing).
+    key_lines: Tuple[Tuple[str, int], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -203,6 +211,15 @@ class Config:
     history: HistorySection = HistorySection()
     metrics: Optional[MetricsSection] = None  # off unless the section is written
     warnings: Tuple[str, ...] = ()
+
+
+def line_of(section: object, key: str) -> int:
+    """The line `key` is written on; its section's header line when it is not written (0: neither)."""
+    return dict(getattr(section, "key_lines", ())).get(key, getattr(section, "line", 0))
+
+
+def _key_lines(values: Dict[str, Tuple[object, int]]) -> Tuple[Tuple[str, int], ...]:
+    return tuple((key, line) for key, (_, line) in values.items())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -545,7 +562,7 @@ def _defaults(sec: _Section, base: str) -> Defaults:
         "containment": _choice("auto", "cgroup", "subreaper"),
     }
     values = sec.parse(schema)
-    d = Defaults(**{k: v for k, (v, _) in values.items()})
+    d = Defaults(key_lines=_key_lines(values), **{k: v for k, (v, _) in values.items()})
     pair = ("restart_delay_seconds", "restart_delay_max_seconds")
     unparsed = any(sec.has(k) and k not in values for k in pair)  # already reported
     if d.restart_delay_max_seconds < d.restart_delay_seconds and not unparsed:
@@ -583,7 +600,10 @@ def _gpu_section(sec: _Section, warn: List[str]) -> Optional[GpuSection]:
     if "ignore_users" in values:
         _user_names_warning(values["ignore_users"][0], "ignore_users", sec, values["ignore_users"][1], warn)
     return GpuSection(
-        name=sec.raw.name[len("gpu-") :], line=sec.raw.line, **{k: v for k, (v, _) in values.items()}
+        name=sec.raw.name[len("gpu-") :],
+        line=sec.raw.line,
+        key_lines=_key_lines(values),
+        **{k: v for k, (v, _) in values.items()},
     )
 
 
@@ -681,7 +701,11 @@ def _process_section(sec: _Section, base: str, warn: List[str]) -> Optional[Proc
     fields.update(who)
     fingerprint = tuple(sorted((k, v) for k, v, _ in sec.raw.items if k not in _STOP_KEYS))
     return ProcessSection(
-        name=sec.raw.name[len("process-") :], line=sec.raw.line, fingerprint=fingerprint, **fields
+        name=sec.raw.name[len("process-") :],
+        line=sec.raw.line,
+        key_lines=_key_lines(values),
+        fingerprint=fingerprint,
+        **fields,
     )
 
 
@@ -784,7 +808,7 @@ def _sentinel_section(sec: _Section) -> SentinelSection:
     }
     values = sec.parse(schema)
     fields = {k: v for k, (v, _) in values.items() if v is not None}
-    found = SentinelSection(line=sec.raw.line, **fields)
+    found = SentinelSection(line=sec.raw.line, key_lines=_key_lines(values), **fields)
     if found.kill_action == "command" and not found.command:
         sec.error(values["kill_action"][1], "command", "missing: kill_action = command needs command = CMD")
     elif found.command and found.kill_action != "command":

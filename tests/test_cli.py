@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import GPU_MON, ROOT, UUIDS, SimHost, wait_for, write_config
+from conftest import GPU_MON, ROOT, UUIDS, SimHost, nobody_host, wait_for, write_config
 
 GOOD = "[gpu-all]\ngpus = ALL\n[process-m]\ncmd = /bin/true\nuser = root\n"
 
@@ -65,7 +66,7 @@ def test_check_gpu_that_does_not_exist_is_an_error(tmp_path, sim):
     path = write_config(tmp_path / "c.conf", f"[gpu-a]\ngpus = 0,7,{UUIDS[5]}\n")
     r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
     assert r.returncode == 2
-    assert f"{path}:1: [gpu-a] gpus: no GPU with index 7 (this host has 2)" in r.stderr
+    assert f"{path}:2: [gpu-a] gpus: no GPU with index 7 (this host has 2)" in r.stderr
     assert f"no GPU with UUID {UUIDS[5]} on this host" in r.stderr
 
 
@@ -324,12 +325,29 @@ def test_check_without_a_config_says_where_to_start(tmp_path):
     assert "(or pass --config PATH)" in r.stderr
 
 
-@pytest.mark.parametrize("command", ["run", "check", "status", "stress"])
-def test_subcommand_help_lists_the_common_options(command):
-    r = gpu_mon(command, "--help")
+@pytest.mark.parametrize(
+    "command,shown,hidden",
+    [
+        (["run"], ("--config PATH", "--sim FILE", "--debug"), ()),
+        (["check"], ("--config PATH", "--sim FILE", "--debug"), ()),
+        (["status"], ("--config PATH", "--sim FILE", "--debug"), ()),
+        (["report"], ("--config PATH", "--debug"), ("--sim",)),
+        (["occupy", "on"], ("--config PATH", "--sim FILE", "--debug"), ()),
+        (["stress"], ("--debug",), ("--config", "--sim")),
+        (["sentinel"], ("--sim FILE", "--debug"), ("--config",)),
+        (["watch"], ("--sim FILE", "--debug"), ("--config",)),
+        (["occupy", "off"], ("--debug",), ("--config", "--sim")),
+        (["occupy", "status"], ("--debug",), ("--config", "--sim")),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_subcommand_help_lists_the_common_options_it_reads(command, shown, hidden):
+    r = gpu_mon(*command, "--help")
     assert r.returncode == 0
-    for option in ("--config PATH", "--sim FILE", "--debug"):
+    for option in shown:
         assert option in r.stdout, (command, option)
+    for option in hidden:
+        assert option not in r.stdout, (command, option)
 
 
 def test_check_reports_syntax_and_host_problems_at_once(tmp_path, sim):
@@ -341,7 +359,183 @@ def test_check_reports_syntax_and_host_problems_at_once(tmp_path, sim):
     r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
     assert r.returncode == 2
     assert r.stderr.splitlines() == [
-        f"{path}:1: [gpu-a] gpus: no GPU with index 7 (this host has 2)",
+        f"{path}:2: [gpu-a] gpus: no GPU with index 7 (this host has 2)",
         f"{path}:5: [process-m] user: no such user 'nosuchuser'",
         f"{path}:8: [tty] enabled: 'maybe' is not a boolean (use yes/no, true/false, on/off or 1/0)",
     ]
+
+
+# ------------------------------------------------------------------------ state_file, host checks, messages
+
+
+def test_check_reports_a_state_file_whose_directory_cannot_be_created(tmp_path, sim):
+    path = write_config(tmp_path / "c.conf", f"[defaults]\n\nstate_file = /proc/nope/state.json\n{GOOD}")
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"{path}:3: [defaults] state_file: /proc/nope: No such file or directory: the daemon keeps its state "
+        "(/proc/nope/state.json) and its lock (/proc/nope/state.json.lock) there; choose a state_file "
+        "whose directory can be created"
+    )
+    assert not os.path.exists("/proc/nope")
+
+
+def test_check_creates_nothing_when_it_tries_a_state_directory(tmp_path, sim):
+    state_dir = tmp_path / "run"
+    state_dir.mkdir()
+    path = write_config(tmp_path / "c.conf", f"[defaults]\nstate_file = {state_dir}/a/b/state.json\n{GOOD}")
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(state_dir) == []
+
+
+def test_run_refuses_a_state_file_whose_directory_cannot_be_created(tmp_path, sim):
+    path = write_config(tmp_path / "c.conf", f"{GOOD}[defaults]\nstate_file = /proc/nope/state.json\n")
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "run", timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"{path}:7: [defaults] state_file: /proc/nope: No such file or directory: ")
+    assert "its lock (/proc/nope/state.json.lock)" in r.stderr
+    no_traceback(r)
+
+
+def test_a_plain_user_running_roots_config_is_told_to_run_as_root_or_use_a_state_file_of_its_own(
+    public_dir, root_only
+):
+    """root ran the config (its lock is root's, in a directory only root writes); nobody runs it next."""
+    sim, code_dir = nobody_host(public_dir)
+    etc = public_dir / "etc"
+    etc.mkdir()
+    config = write_config(etc / "demo.conf", "[defaults]\nstate_file = state.json\n[gpu-all]\ngpus = ALL\n")
+    os.chmod(config, 0o644)
+    (etc / "state.json.lock").write_text("")
+    os.chmod(etc, 0o755)
+
+    def as_nobody(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["/usr/bin/python3", "-m", "gpu_mon", "--config", str(config), "--sim", str(sim.path), command],
+            capture_output=True,
+            text=True,
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir)},
+            timeout=60,
+        )
+
+    r = as_nobody("run")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"{config}:2: [defaults] state_file: {etc}/state.json.lock: Permission denied: this user may not "
+        f"write the daemon's state ({etc}/state.json) or its lock ({etc}/state.json.lock) there; run gpu-mon "
+        "as root, or give this daemon a state_file of its own"
+    )
+    r = as_nobody("check")  # root's config, checked by a plain user: a warning, not an error
+    assert r.returncode == 0, r.stderr
+    assert "run gpu-mon as root, or give this daemon a state_file of its own" in r.stderr
+
+
+def test_host_check_problems_point_at_the_line_of_the_key(tmp_path, sim):
+    path = write_config(
+        tmp_path / "typo.conf",
+        "[gpu-all]\ngpus = ALL\n\n[process-burn]\n; what it runs\nuser = root\n\n"
+        "cmd = no-such-burner --x\ndir = /nonexistent/dir\n\ngpus = 7\n",
+    )
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 2
+    assert f"{path}:11: [process-burn] gpus: no GPU with index 7 (this host has 2)" in r.stderr
+    assert (
+        f"warning: {path}:8: [process-burn] cmd: 'no-such-burner' is not on the workload's PATH" in r.stderr
+    )
+    assert f"warning: {path}:9: [process-burn] dir: '/nonexistent/dir' does not exist" in r.stderr
+
+
+def test_a_reload_says_which_sections_it_added_changed_and_removed(tmp_path, sim, daemon_factory):
+    body = "[gpu-all]\ngpus = ALL\n[process-old]\ncmd = sleep 600\nuser = root\ngpus = 0\n"
+    d = daemon_factory(body)
+    d.wait_running("old")
+    d.write_config(
+        "[gpu-all]\ngpus = ALL\nbusy_memory_mib = 10\n[process-new]\ncmd = sleep 600\nuser = root\n"
+    )
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"\[process-old\] removed from the config; stopping old")
+    d.wait_log(r"reloaded .*; added: \[process-new\]; changed: \[gpu-all\]; removed: \[process-old\]$")
+    d.wait_running("new")
+
+
+@pytest.mark.parametrize(
+    "args,usage,error",
+    [
+        (["stauts"], "usage: gpu-mon [-h]", "invalid choice: 'stauts' (did you mean status?)"),
+        (["chek"], "usage: gpu-mon [-h]", "invalid choice: 'chek' (did you mean check?)"),
+        (["occupy", "of"], "usage: gpu-mon occupy [-h]", "invalid choice: 'of' (did you mean off?)"),
+        (
+            ["status", "--jsn"],
+            "usage: gpu-mon status [-h]",
+            "gpu-mon status: error: unrecognized arguments: --jsn",
+        ),
+        (
+            ["check", "--jsn"],
+            "usage: gpu-mon check [-h]",
+            "gpu-mon check: error: unrecognized arguments: --jsn",
+        ),
+        (
+            ["occupy", "on", "--yeild"],
+            "usage: gpu-mon occupy on [-h]",
+            "gpu-mon occupy on: error: unrecognized arguments: --yeild",
+        ),
+    ],
+    ids=["command", "command-2", "occupy-command", "status-option", "check-option", "occupy-on-option"],
+)
+def test_a_mistyped_command_or_option_gets_the_usage_it_belongs_to(args, usage, error):
+    r = gpu_mon(*args)
+    assert r.returncode == 2
+    assert r.stderr.startswith(usage), r.stderr
+    assert error in r.stderr.splitlines()[-1]
+    assert sum("error:" in line for line in r.stderr.splitlines()) == 1
+
+
+def test_occupy_does_not_offer_its_internal_command():
+    r = gpu_mon("occupy", "bogus")
+    assert r.returncode == 2
+    assert "choose from on, off, status" in r.stderr and "serve" not in r.stderr
+    assert "serve" not in gpu_mon("occupy", "--help").stdout
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_run_and_check_help_say_what_they_do(command):
+    r = gpu_mon(command, "--help")
+    assert r.returncode == 0
+    description = r.stdout.split("\n\n")[1]
+    assert not description.startswith("options:") and len(description) > 80, r.stdout
+
+
+def _parsers(parser):
+    yield parser
+    for action in parser._actions:
+        for sub in (action.choices or {}).values() if hasattr(action, "_choices_actions") else ():
+            yield from _parsers(sub)
+
+
+def test_no_option_is_listed_twice():
+    from gpu_mon.cli import build_parser
+
+    for parser in _parsers(build_parser()):
+        for action in parser._actions:
+            assert len(set(action.option_strings)) == len(action.option_strings), (parser.prog, action)
+    help_text = gpu_mon("sentinel", "--help").stdout
+    assert "--command CMD, --command CMD" not in help_text and "--command CMD" in help_text
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_a_missing_sim_file_says_where_its_path_came_from(conf, how):
+    missing = "/nonexistent/sim.json"
+    if how == "option":
+        r = gpu_mon("--config", str(conf), "--sim", missing, "check")
+        named = "--sim"
+    else:
+        r = gpu_mon("--config", str(conf), "check", env={"GPU_MON_SIM": missing})
+        named = "GPU_MON_SIM"
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"gpu-mon: {named}: {missing}: No such file or directory"

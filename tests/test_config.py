@@ -1449,3 +1449,51 @@ def test_shellwords_split_is_shlex_split():
         except ValueError as err:
             got = str(err)
         assert got == want, repr(text)
+
+
+def test_each_key_remembers_its_line_and_a_missing_one_falls_back_to_the_header():
+    c = parse(
+        "[defaults]\ninterval_seconds = 1\nstate_file = /tmp/s.json\n"
+        "[gpu-a]\n; a comment\ngpus = 0\n"
+        "[process-burn]\nuser = root\n\ncmd = /bin/true\ngpus = 0\n"
+        "[process-plain]\ncmd = /bin/true\nuser = root\n"
+        "[sentinel]\narm_threshold = 0.5\ngpus = 0\n"
+    )
+    line_of = config.line_of
+    assert line_of(c.defaults, "state_file") == 3
+    assert line_of(c.gpu_sections[0], "gpus") == 6
+    burn, plain = c.processes
+    assert (line_of(burn, "cmd"), line_of(burn, "gpus"), line_of(burn, "user")) == (10, 11, 8)
+    assert line_of(plain, "gpus") == 12  # not written: the section's header
+    assert line_of(c.sentinel, "gpus") == 17
+    assert line_of(Defaults(), "state_file") == 0  # the default, written nowhere
+
+
+def test_moving_a_key_within_its_section_is_no_change():
+    a = parse("[gpu-a]\ngpus = 0\nbusy_memory_mib = 5\n")
+    b = parse("[gpu-a]\nbusy_memory_mib = 5\ngpus = 0\n")
+    assert a.gpu_sections == b.gpu_sections
+
+
+def test_reload_names_the_sections_added_changed_and_removed():
+    from gpu_mon.engine import reload
+
+    old = parse(
+        "[gpu-a]\ngpus = 0\n[process-m]\ncmd = /bin/true\nuser = root\n[process-old]\ncmd = x\nuser = root\n"
+    )
+    new = parse(
+        "[tty]\nenabled = yes\n[gpu-a]\ngpus = 0\n[process-m]\ncmd = /bin/true --x\nuser = root\n"
+        "[process-burn]\ncmd = burn\nuser = root\n"
+    )
+    changes = reload.changes(old, new)
+    assert (changes.added, changes.changed, changes.removed) == (
+        ("process-burn",),
+        ("tty", "process-m"),
+        ("process-old",),
+    )
+    assert str(changes) == "added: [process-burn]; changed: [tty], [process-m]; removed: [process-old]"
+    moved = parse(
+        "\n\n[process-m]\ncmd = /bin/true\nuser = root\n[gpu-a]\ngpus = 0\n"
+        "[process-old]\ncmd = x\nuser = root\n"
+    )
+    assert str(reload.changes(old, moved)) == "nothing changed"

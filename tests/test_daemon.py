@@ -244,7 +244,7 @@ def test_sighup_good_and_bad(tmp_path, sim, daemon_factory):
     # A good config that changes [process-miner] only: miner restarts, other keeps running.
     d.write_config(body.replace("gpus = 0\nuser = root", "gpus = 0\nuser = root\nenv = EXTRA=1", 1))
     d.signal(signal.SIGHUP)
-    d.wait_log(r"reloaded .*changed: miner")
+    d.wait_log(r"reloaded .*changed: \[process-miner\]")
     wait_for(lambda: not pid_alive(miner_pid), what="old miner gone")
     new_pid = d.wait_running("miner")
     assert new_pid != miner_pid
@@ -416,7 +416,7 @@ def test_exited_workload_still_listed_by_nvml_stays_ours(tmp_path, sim, daemon_f
     wait_for(lambda: any(p["pid"] == pid for p in d.state()["gpus"][0]["nvml_processes"]), what="NVML view")
     d.write_config(d.body.replace("user = root", "user = root\nenv = EXTRA=2"))
     d.signal(signal.SIGHUP)
-    d.wait_log(r"reloaded .*changed: miner")
+    d.wait_log(r"reloaded .*changed: \[process-miner\]")
     wait_for(lambda: not pid_alive(pid), what="old workload gone")
     new = d.wait_running("miner")
     assert new != pid

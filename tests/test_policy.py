@@ -357,9 +357,9 @@ def test_resolve_problems():
     )
     plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
     assert plan.problems == (
-        "1: [gpu-a] gpus: no GPU with index 5 (this host has 2)",
-        "1: [gpu-a] gpus: no GPU with UUID GPU-zzzz on this host",
-        "3: [process-p] gpus: GPU-bbbb is not named by any [gpu-*] section, so it is never used",
+        "2: [gpu-a] gpus: no GPU with index 5 (this host has 2)",
+        "2: [gpu-a] gpus: no GPU with UUID GPU-zzzz on this host",
+        "5: [process-p] gpus: GPU-bbbb is not named by any [gpu-*] section, so it is never used",
     )
     assert [i.key for i in plan.instances] == ["q"]
     assert list(plan.rules) == [U0]
@@ -368,7 +368,7 @@ def test_resolve_problems():
 def test_resolve_by_uuid_and_index_lost_uuid():
     c = cfg.parse(f"[gpu-a]\ngpus = {U1},0\n[process-p]\ncmd = p\nuser = root\n", "/t.conf")
     plan = policy.resolve(c, (gpu(0, None), gpu(1, U1)))
-    assert plan.problems == ("1: [gpu-a] gpus: GPU 0: its UUID cannot be read",)
+    assert plan.problems == ("2: [gpu-a] gpus: GPU 0: its UUID cannot be read",)
     assert plan.instances[0].gpus == (U1,)
 
 
@@ -387,7 +387,7 @@ def test_stops_confirmed_needs_both_looks():
 def test_resolve_same_gpu_by_index_and_uuid_in_two_sections():
     c = cfg.parse("[gpu-a]\ngpus = 0\n[gpu-b]\ngpus = GPU-AAAA\n", "/t.conf")
     plan = policy.resolve(c, (gpu(0, U0), gpu(1, U1)))
-    assert plan.problems == (f"3: [gpu-b] gpus: {U0} is already named by [gpu-a]",)
+    assert plan.problems == (f"4: [gpu-b] gpus: {U0} is already named by [gpu-a]",)
 
 
 def test_resolve_uuids_case_insensitively():

@@ -214,7 +214,7 @@ def test_a_reload_changes_the_stop_signal_without_a_restart(tmp_path, sim, daemo
     pid = d.wait_running("train")
     d.write_config(d.body + "stop_signal = SIGUSR1\n")
     d.signal(signal.SIGHUP)
-    d.wait_log(r"reloaded .*no workload changed")
+    d.wait_log(r"reloaded .*; changed: \[process-train\]$")
     assert d.wait_running("train") == pid
     d.signal(signal.SIGTERM)
     assert d.proc.wait(30) == 0

@@ -17,8 +17,10 @@ EXAMPLE_CONFIGS = ("/usr/share/doc/gpu-mon/examples/gpu_mon.conf", "conf/gpu_mon
 
 
 def seed_option(p: argparse.ArgumentParser, name: str, **kw: object) -> None:
-    """--arm-duration, and the original tools' --arm_duration, as one option."""
-    p.add_argument(f"--{name}", f"--{name.replace('-', '_')}", **kw)  # type: ignore[arg-type]
+    """--arm-duration, and the original tools' --arm_duration, as one option (a name without a dash is
+    listed once)."""
+    names = dict.fromkeys((f"--{name}", f"--{name.replace('-', '_')}"))
+    p.add_argument(*names, **kw)  # type: ignore[arg-type]
 
 
 class CliError(Exception):
@@ -59,7 +61,8 @@ def backend(args: argparse.Namespace, writes: bool = False) -> Tuple[Backend, st
         try:
             found.load()
         except SimError as err:
-            raise CliError(str(err)) from None
+            named_by = "--sim" if args.sim else "GPU_MON_SIM"
+            raise CliError(f"{named_by}: {err}") from None
         return found, f"simulated GPUs from {found.path}"
     from gpu_mon.api.nvml import NvmlBackend
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 from gpu_mon.api import holders
-from gpu_mon.commands import base
-from gpu_mon.config import Config, ConfigError, sort_by_line
+from gpu_mon.commands import base, statedir
+from gpu_mon.config import Config, ConfigError, ProcessSection, line_of, sort_by_line
 from gpu_mon.engine import policy
 from gpu_mon.engine.workloads.supervisor import workload_env
 
@@ -18,25 +18,31 @@ def host_warnings(config: Config) -> List[str]:
     """Things on this host that will make a workload fail: commands, directories, log directories."""
     warnings: List[str] = []
     for p in config.processes:
-        where = f"{config.path}:{p.line}: [process-{p.name}]"
-        exe = p.cmd[0]
-        path = workload_env(p, ())["PATH"]
-        if "/" in exe:
-            full = exe if os.path.isabs(exe) else os.path.join(p.dir, exe)
-            if not os.access(full, os.X_OK):
-                warnings.append(f"{where} cmd: {exe!r} is not an executable file")
-        elif shutil.which(exe, path=path) is None:
-            warnings.append(f"{where} cmd: {exe!r} is not on the workload's PATH ({path}); use a full path")
-        if not os.path.isdir(p.dir):
-            warnings.append(f"{where} dir: {p.dir!r} does not exist")
-        if p.log and not os.path.isdir(os.path.dirname(p.log) or "/"):
-            warnings.append(f"{where} log: the directory of {p.log!r} does not exist")
+        warnings.extend(_process_warnings(config.path, p))
     if os.geteuid() != 0:
         warnings.append(
             "not running as root: processes of other users cannot be inspected, so the daemon "
             "would count every GPU as busy while any runs, and cannot switch workload users"
         )
     return warnings
+
+
+def _process_warnings(path: str, p: ProcessSection) -> List[str]:
+    """A [process-*] section's command, dir and log directory, each at the line of its key."""
+    found: List[Tuple[str, str]] = []
+    exe = p.cmd[0]
+    search = workload_env(p, ())["PATH"]
+    if "/" in exe:
+        full = exe if os.path.isabs(exe) else os.path.join(p.dir, exe)
+        if not os.access(full, os.X_OK):
+            found.append(("cmd", f"{exe!r} is not an executable file"))
+    elif shutil.which(exe, path=search) is None:
+        found.append(("cmd", f"{exe!r} is not on the workload's PATH ({search}); use a full path"))
+    if not os.path.isdir(p.dir):
+        found.append(("dir", f"{p.dir!r} does not exist"))
+    if p.log and not os.path.isdir(os.path.dirname(p.log) or "/"):
+        found.append(("log", f"the directory of {p.log!r} does not exist"))
+    return [f"{path}:{line_of(p, key)}: [process-{p.name}] {key}: {what}" for key, what in found]
 
 
 def metrics_problems(config: Config) -> List[str]:
@@ -58,6 +64,16 @@ def metrics_problems(config: Config) -> List[str]:
     except MetricsError as err:
         problems.append(f"{config.path}:{m.line}: {err}")
     return problems
+
+
+def _state_file_problem(config: Config, errors: List[str], warnings: List[str]) -> None:
+    """A state_file whose directory cannot be made is an error; one only root may write, a warning for a
+    plain user checking root's config."""
+    found = statedir.problem(config)
+    if found is None:
+        return
+    detail, denied = found
+    (warnings if denied else errors).append(statedir.refusal(config, detail, denied))
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -98,6 +114,7 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
                     f"GPU {plan.index_of.get(uuid)} ({uuid}): {why}: it will always count as busy"
                 )
     errors.extend(metrics_problems(config))
+    _state_file_problem(config, errors, warnings)
     for w in warnings:
         say(f"warning: {w}", 4)
     for e in errors:

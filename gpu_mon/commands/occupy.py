@@ -155,12 +155,12 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
         "argv", nargs=argparse.REMAINDER, metavar="-- CMD", help="run CMD instead of the stressor"
     )
     off = sub.add_parser("off", help="stop the occupier and everything it started")
-    common(off, top=False)
+    common(off, top=False, config=False, sim=False)
     off.add_argument("--timeout", type=float, default=30.0, metavar="SEC", help="then SIGKILL (30)")
     st = sub.add_parser("status", help="waiting, occupying, yielded or stopped; exit 3 when not running")
-    common(st, top=False)
+    common(st, top=False, config=False, sim=False)
     st.add_argument("--json", action="store_true", help="machine-readable")
-    common(sub.add_parser("serve"), top=False)
+    common(sub.add_parser("serve"), top=False, config=False, sim=False)
 
 
 def cmd_occupy(args: argparse.Namespace) -> int:

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from gpu_mon.commands import base
-from gpu_mon.config import trusted_uid_for_this_process
+from gpu_mon.commands import base, statedir
+from gpu_mon.config import ConfigError, trusted_uid_for_this_process
 
 if TYPE_CHECKING:
     from gpu_mon.engine.lock import DaemonLock
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run until SIGTERM; exit 1 if another daemon has the state file, 2 on a bad config."""
     from gpu_mon.engine.daemon import Daemon
-    from gpu_mon.engine.lock import DaemonLock, LockError
+    from gpu_mon.engine.lock import DaemonLock, LockError, PlaceError
     from gpu_mon.engine.workloads.cgroups import ContainmentError
     from gpu_mon.outputs.notify import Notifier
     from gpu_mon.outputs.statefile import StateFile
@@ -50,6 +50,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     lock = DaemonLock(config.defaults.state_file)
     try:
         lock.acquire()
+    except PlaceError as err:  # the config's problem (exit 2), said as `check` says it
+        raise ConfigError([statedir.refusal(config, str(err), err.denied)]) from None
     except LockError as err:
         raise base.CliError(str(err), base.EXIT_FAILURE) from None
     if metrics is not None and config.metrics is not None:

@@ -22,7 +22,7 @@ from gpu_mon.api.model import Snapshot
 from gpu_mon.api.observe import Backend, Observer
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
-from gpu_mon.engine import gpustate, idleholders, policy, words
+from gpu_mon.engine import gpustate, idleholders, policy, reload, words
 from gpu_mon.engine.decisions import Decision, PolicyState, Preemption, Start, Stop
 from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
@@ -514,13 +514,14 @@ class Daemon:
             if getattr(d, key) != getattr(old, key):
                 log.warning("reload: [defaults] %s changes take effect when gpu-mon restarts", key)
         for section in ("history", "metrics"):
-            if _unplaced(getattr(new, section)) != _unplaced(getattr(self.config, section)):
+            if reload.unplaced(getattr(new, section)) != reload.unplaced(getattr(self.config, section)):
                 log.warning("reload: [%s] changes take effect when gpu-mon restarts", section)
         fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
         kept = {"history": self.config.history, "metrics": self.config.metrics}
         return dataclasses.replace(new, defaults=fixed, **kept)
 
     def _apply(self, new: Config, now: float) -> None:
+        sections = reload.changes(self.config, new)
         old = policy.processes_by_name(self.config)
         fresh = policy.processes_by_name(new)
         changed = [n for n, p in old.items() if n not in fresh or fresh[n].fingerprint != p.fingerprint]
@@ -543,9 +544,11 @@ class Daemon:
                 self.supervisor.set_rule(key, stopping.rule_for(fresh[w.instance.process], new.defaults))
             if w.instance.process in changed:
                 self.supervisor.stop(key, "config changed", now)
-                self._say(f"config changed for [process-{w.instance.process}]; restarting {w.label}")
-        what = f"; changed: {', '.join(changed)}" if changed else "; no workload changed"
-        self._say(f"reloaded {new.path}{what}")
+                if w.instance.process in fresh:
+                    self._say(f"config changed for [process-{w.instance.process}]; restarting {w.label}")
+                else:
+                    self._say(f"[process-{w.instance.process}] removed from the config; stopping {w.label}")
+        self._say(f"reloaded {new.path}; {sections}")
         self.next_poll = now  # look again with the new rules at once (next wake, with a fresh NVML read)
         self._round(now, scan=None)  # and publish what the reload stopped
         self.loop.announce("ready")
@@ -568,11 +571,4 @@ class Daemon:
 
 def _sentinel_rule(config: Config) -> tuple:
     """What the [sentinel] listener is made from (not where in the file it is written)."""
-    return (_unplaced(config.sentinel), config.defaults.interval_seconds)
-
-
-def _unplaced(section: object) -> object:
-    """A section without the line it was written on (moving it in the file changes nothing)."""
-    if dataclasses.is_dataclass(section) and hasattr(section, "line"):
-        return dataclasses.replace(section, line=0)
-    return section
+    return (reload.unplaced(config.sentinel), config.defaults.interval_seconds)

@@ -22,6 +22,19 @@ class LockError(Exception):
     """The lock cannot be had; str() is one line."""
 
 
+class PlaceError(LockError):
+    """The lock's directory cannot be created, or the lock cannot be opened in it; `denied`: for lack of
+    permission (another user's state file), not because the place cannot exist."""
+
+    def __init__(self, message: str, denied: bool):
+        super().__init__(message)
+        self.denied = denied
+
+
+def _denied(err: OSError) -> bool:
+    return err.errno in (errno.EACCES, errno.EPERM)
+
+
 def lock_path(state_file: str) -> str:
     """Where the lock of the daemon that writes `state_file` lives."""
     return state_file + ".lock"
@@ -48,7 +61,7 @@ def _open(path: str) -> int:
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise LockError(f"{path}: is a symbolic link; remove it (gpu-mon makes its own)") from None
-        raise LockError(f"{path}: {err.strerror}") from None
+        raise PlaceError(f"{path}: {err.strerror}", _denied(err)) from None
     st = os.fstat(fd)
     problem = ""
     if not stat.S_ISREG(st.st_mode):
@@ -59,6 +72,8 @@ def _open(path: str) -> int:
         problem = "has other hard links"
     if problem:
         os.close(fd)
+        if st.st_uid != os.geteuid() and os.geteuid() != 0:  # not ours to remove
+            raise PlaceError(f"{path}: belongs to uid {st.st_uid}", True)
         raise LockError(f"{path}: {problem}; remove it (gpu-mon makes its own)")
     return fd
 
@@ -77,7 +92,7 @@ class DaemonLock:
             os.makedirs(directory, mode=0o755, exist_ok=True)
             _check_directory(directory)
         except OSError as err:
-            raise LockError(f"{directory}: {err.strerror}") from None
+            raise PlaceError(f"{err.filename or directory}: {err.strerror}", _denied(err)) from None
         for _ in range(3):  # the file may be replaced between open and flock: lock what the path names
             fd = _open(self.path)
             try:

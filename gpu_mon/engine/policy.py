@@ -14,7 +14,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from gpu_mon.api import ttys
 from gpu_mon.api.model import Exited, Gpu, Holder, Running, Snapshot
-from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection
+from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection, line_of
 from gpu_mon.engine.decisions import (
     Backoff,
     Busy,
@@ -86,7 +86,7 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
     everything = [g.uuid for g in gpus if g.uuid]
     rules: Dict[str, GpuSection] = {}
     for section in config.gpu_sections:
-        what = f"{section.line}: [gpu-{section.name}] gpus"
+        what = f"{line_of(section, 'gpus')}: [gpu-{section.name}] gpus"
         for uuid in _resolve_refs(section.gpus, gpus, everything, what, problems):
             first = rules.setdefault(uuid, section)
             if first is not section:  # one by index, the other by UUID: only the host can tell
@@ -94,7 +94,7 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
     watched = [u for u in everything if u in rules]
     instances: List[Instance] = []
     for proc in config.processes:
-        what = f"{proc.line}: [process-{proc.name}] gpus"
+        what = f"{line_of(proc, 'gpus')}: [process-{proc.name}] gpus"
         uuids = _resolve_refs(proc.gpus, gpus, watched, what, problems)
         unwatched = [u for u in uuids if u not in rules]
         for uuid in unwatched:
@@ -113,7 +113,11 @@ def resolve(config: Config, gpus: Tuple[Gpu, ...]) -> Plan:
             instances.append(Instance(key=proc.name, process=proc.name, gpus=tuple(uuids)))
     if config.sentinel is not None:  # its GPUs need not be watched, only there
         _resolve_refs(
-            config.sentinel.gpus, gpus, everything, f"{config.sentinel.line}: [sentinel] gpus", problems
+            config.sentinel.gpus,
+            gpus,
+            everything,
+            f"{line_of(config.sentinel, 'gpus')}: [sentinel] gpus",
+            problems,
         )
     index_of = {g.uuid: g.index for g in gpus if g.uuid}
     return Plan(rules=rules, instances=tuple(instances), index_of=index_of, problems=tuple(problems))

@@ -4,7 +4,8 @@ behind NSS) never holds up the loop; the loop applies the result when the thread
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable, Optional
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
 
 from gpu_mon import config as config_mod
 from gpu_mon.config import Config
@@ -46,3 +47,49 @@ class Reloader:
         """Wait for a load under way, then stop the thread."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """What a reload changed, as section names in file order (`process-burn`, `tty`)."""
+
+    added: Tuple[str, ...] = ()
+    changed: Tuple[str, ...] = ()
+    removed: Tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        """`added: [process-burn]; changed: [gpu-all]; removed: [process-old]`, or `nothing changed`."""
+        parts = [
+            f"{what}: {', '.join(f'[{name}]' for name in names)}"
+            for what, names in (("added", self.added), ("changed", self.changed), ("removed", self.removed))
+            if names
+        ]
+        return "; ".join(parts) or "nothing changed"
+
+
+def changes(old: Config, new: Config) -> Changes:
+    """The sections `new` adds, changes or removes compared with `old` (moving one in the file is none)."""
+    before, after = _sections(old), _sections(new)
+    return Changes(
+        added=tuple(n for n in after if n not in before),
+        changed=tuple(n for n in after if n in before and after[n] != before[n]),
+        removed=tuple(n for n in before if n not in after),
+    )
+
+
+def _sections(config: Config) -> Dict[str, object]:
+    """Every section the config has, by name, without the line it is written on."""
+    found: Dict[str, object] = {"defaults": config.defaults, "tty": config.tty, "history": config.history}
+    found.update((f"gpu-{g.name}", g) for g in config.gpu_sections)
+    found.update((f"process-{p.name}", p) for p in config.processes)
+    for name in ("sentinel", "metrics"):
+        if getattr(config, name) is not None:
+            found[name] = getattr(config, name)
+    return {name: unplaced(section) for name, section in found.items()}
+
+
+def unplaced(section: object) -> object:
+    """A section without the line it was written on (moving it in the file changes nothing)."""
+    if dataclasses.is_dataclass(section) and hasattr(section, "line"):
+        return dataclasses.replace(section, line=0)  # type: ignore[type-var]
+    return section
