@@ -11,16 +11,21 @@ foreign process then closes the node and the workload restarts for the next tria
 
 Modes, in the same run: gpu-mon as shipped (inotify IN_OPEN + incremental scan, polling every 2 s, a full
 scan every 60 s, [history] recording), the same with history off, the same with [metrics] on (endpoint and
-textfile) and scraped 20 times a second throughout, the same at an earlier commit
-(--baseline REF, default the main before issue 9: the baseline measured side by side), and the seed
-tools' method (polling every 1 s with a full scan, no events).
+textfile) and scraped 20 times a second throughout, the same at an older version (--baseline REF, a git
+ref of this checkout: the baseline measured side by side), and polling only, as the original gpu_mon does
+(every 1 s with a full scan, no events).
 Then each daemon's CPU use over --idle-seconds of quiet, with the workload running.
+
+Before it starts anything it checks what it needs (root, Linux pidfds, the Python modules the daemons
+import, the metrics extra, git and the baseline ref) and, if something is missing, says all of it in one
+line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -33,7 +38,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,6 +75,54 @@ for line in sys.stdin:
         os.close(fd)
         print("closed", flush=True)
 """
+
+
+# What the daemons import (the metrics mode's [metrics] needs prometheus_client): name -> how to get it.
+MODULES = {
+    "psutil": "pip install psutil",
+    "sdnotify": "pip install sdnotify",
+    "prometheus_client": "pip install '.[metrics]'",
+}
+
+
+def missing_modules() -> List[str]:
+    """The modules this Python (which also runs the daemons) cannot import, with how to get each."""
+    out = []
+    for name, fix in MODULES.items():
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            out.append(f"needs the Python module {name} ({fix})")
+    return out
+
+
+def baseline_problem(ref: str) -> Optional[str]:
+    """Why the baseline cannot be extracted, or None."""
+    if not ref:
+        return None
+    if shutil.which("git") is None:
+        return "needs git for --baseline (or pass --baseline '' to skip the baseline)"
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+        capture_output=True,
+    )
+    if found.returncode != 0:
+        return f"--baseline {ref} is not a commit of this checkout (or pass --baseline '' to skip it)"
+    return None
+
+
+def missing_prerequisites(a: argparse.Namespace) -> List[str]:
+    """Everything the run needs and lacks, checked before anything starts."""
+    out = []
+    if os.geteuid() != 0:
+        out.append("needs root (the daemon must see every process: sudo)")
+    if not hasattr(os, "pidfd_open"):
+        out.append("needs os.pidfd_open (Linux 5.3 or later, Python 3.9 or later)")
+    out += missing_modules()
+    problem = baseline_problem(a.baseline)
+    if problem:
+        out.append(problem)
+    return out
 
 
 def cpu_ticks(pid: int) -> int:
@@ -162,7 +215,14 @@ class Run:
                 self.seen = len(starts)
                 return starts[-1]
             time.sleep(0.01)
-        raise RuntimeError(f"workload did not start; see {self.dir / 'daemon.log'}")
+        raise RuntimeError(f"workload did not start; the daemon's last line: {self.last_log_line()}")
+
+    def last_log_line(self) -> str:
+        try:
+            lines = (self.dir / "daemon.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return next((x.strip() for x in reversed(lines) if x.strip()), "(empty log)")
 
     def trial(self) -> Tuple[float, float]:
         """One preemption: (ms open->SIGTERM, ms open->group gone)."""
@@ -237,8 +297,11 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--baseline", default="87addb5", help="git ref to measure side by side ('' for none)")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        print("run as root: the daemon must see every process", file=sys.stderr)
+    if a.trials < 1 or a.procs < 0 or a.idle_seconds <= 0:
+        ap.error("--trials must be at least 1, --procs at least 0, --idle-seconds more than 0")
+    missing = missing_prerequisites(a)
+    if missing:
+        print(f"{ap.prog}: cannot start: {'; '.join(missing)}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="gpu-mon-preempt-"))
     modes = [
@@ -256,7 +319,7 @@ def main() -> int:
         modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old, None))
     modes += [
         (
-            "seed-style polling (1 s, full scan, no events)",
+            "polling only, as the original gpu_mon (1 s, full scan, no events)",
             "polling",
             {"interval_seconds": 1, "watch_opens": "no", "full_scan_seconds": 1},
             ROOT,
@@ -279,6 +342,9 @@ def main() -> int:
                     if (i + 1) % 10 == 0:
                         print(f"  {name}: {i + 1}/{a.trials} trials", flush=True)
                 cpu = run.idle_cpu(a.idle_seconds)
+            except RuntimeError as e:
+                print(f"{ap.prog}: {name}: {e}", file=sys.stderr)
+                return 1
             finally:
                 if scraper is not None:
                     scraper.close()

@@ -1,0 +1,64 @@
+"""bench/preempt.py checks what it needs before it starts anything, and says what is missing in one line.
+
+Only the checks are exercised here (the benchmark itself is timing, which belongs in bench/). A module that
+is "not installed" is a stand-in on PYTHONPATH whose import fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "preempt.py"
+# Small enough that, without the checks, the benchmark would run (and fail late) within the timeout.
+QUICK = ["--procs", "0", "--trials", "1", "--idle-seconds", "0.1"]
+
+
+def run_bench(tmp_path: Path, *args: str, hide: List[str] = ()) -> subprocess.CompletedProcess:
+    shadow = tmp_path / "shadow"
+    shadow.mkdir(exist_ok=True)
+    for name in hide:
+        (shadow / f"{name}.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
+    return subprocess.run(
+        [sys.executable, str(BENCH), *QUICK, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def test_missing_metrics_extra_is_one_line_before_anything_starts(tmp_path):
+    r = run_bench(tmp_path, "--baseline", "", hide=["prometheus_client"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""  # nothing started: no background processes, no daemon
+    assert r.stderr.startswith("preempt.py: cannot start: ") and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.rstrip("\n").endswith(
+        "needs the Python module prometheus_client (pip install '.[metrics]')"
+    ), r.stderr
+
+
+def test_every_missing_thing_is_named_in_the_same_line(tmp_path):
+    r = run_bench(tmp_path, "--baseline", "no-such-ref", hide=["prometheus_client", "sdnotify"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "needs the Python module sdnotify (pip install sdnotify)" in r.stderr
+    assert "needs the Python module prometheus_client" in r.stderr
+    assert "--baseline no-such-ref is not a commit of this checkout" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_numbers_are_a_usage_error(tmp_path):
+    r = run_bench(tmp_path, "--trials", "0", "--baseline", "")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert r.stderr.splitlines()[-1].endswith(
+        "--trials must be at least 1, --procs at least 0, --idle-seconds more than 0"
+    )
