@@ -1,14 +1,19 @@
 """On a real NVIDIA GPU only (marked `gpu`, skipped elsewhere): per-process utilization of a torch job as
-NVML reports it to gpu-mon, and `gpu-mon watch` stopping an idle torch job. Needs torch with CUDA."""
+NVML reports it to gpu-mon, and `gpu-mon watch` stopping an idle torch job (and never a busy one). Needs torch
+with CUDA. bench/gpu_proof.py runs the watch tests (check watch)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
 
+import gpujobs
 import pytest
-from conftest import GPU_MON, wait_for
+from conftest import GPU_MON
 
 from gpu_mon.api.nvml import NvmlBackend
 
@@ -17,13 +22,6 @@ BUSY = (
     "a = torch.randn(4096, 4096, device='cuda')\n"
     "print('ready', flush=True)\n"
     "while True:\n    a @ a\n"
-)
-IDLE = (
-    "import torch, time\n"
-    "a = torch.randn(1024, 1024, device='cuda')\n"
-    "torch.cuda.synchronize()\n"
-    "print('ready', flush=True)\n"
-    "time.sleep(600)\n"
 )
 
 
@@ -52,16 +50,69 @@ def test_per_process_utilization_of_a_busy_torch_job():
         job.wait()
 
 
-@pytest.mark.gpu
-def test_watch_stops_an_idle_torch_job():
-    t0 = time.monotonic()
-    r = subprocess.run(
-        [*GPU_MON, "watch", "-s", "1", "-n", "5", "-d", "5", "-x", "--", sys.executable, "-c", IDLE],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def _watch(job_script: str, *options: str) -> tuple[subprocess.Popen, str]:
+    """`gpu-mon watch OPTIONS -- python -c JOB` on GPU 0 (by UUID), in its own session; and a marker that
+    is in the job's command line."""
+    with gpujobs.nvml() as reader:
+        env = gpujobs.on_gpu(reader.uuid)
+    marker = f"gpu-test-watch-{os.getpid()}-{time.monotonic_ns()}"
+    argv = [*GPU_MON, "watch", *options, "--", sys.executable, "-c", f"# {marker}\n{job_script}"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
-    took = time.monotonic() - t0
-    assert r.returncode == 124, r.stderr
-    assert took < 5 + 5 + 1 + 10 + 5, (took, r.stderr)  # window + a sample + torch start-up + grace
-    wait_for(lambda: "stopped" in r.stderr, timeout=1, what="the stop line")
+    return proc, marker
+
+
+def _end(proc: subprocess.Popen, marker: str) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in gpujobs.alive_with(marker):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+def test_watch_stops_an_idle_torch_job(record_property):
+    """The window is 10 delay samples (torch starts meanwhile) and 5 idle ones, a second apart: 15 s."""
+    sample_s, delay, samples = 1, 10, 5
+    window = (delay + samples) * sample_s
+    t0 = time.monotonic()
+    proc, marker = _watch(gpujobs.IDLE, "-s", str(sample_s), "-n", str(samples), "-d", str(delay), "-x")
+    try:
+        _, err = proc.communicate(timeout=window + 60)
+        took = time.monotonic() - t0
+        left = gpujobs.alive_with(marker)
+        record_property("idle_exit", proc.returncode)
+        record_property("idle_took_s", round(took, 2))
+        record_property("window_s", window)
+        record_property("sample_s", sample_s)
+        record_property("idle_left", len(left))
+        assert proc.returncode == 124, err
+        assert "idle (" in err, err
+        assert not left, f"still running after watch: {left}"
+        # within one sample of the window's end, plus the interpreter's start-up
+        assert window - sample_s <= took <= window + sample_s + 2, (took, err)
+    finally:
+        _end(proc, marker)
+
+
+@pytest.mark.gpu
+def test_watch_never_stops_a_busy_torch_job(record_property):
+    """A window of 3 samples after 2 delay samples: 5 s; watched for 4 such windows (quick: 2)."""
+    observe = gpujobs.repeats(10, 20)
+    proc, marker = _watch(gpujobs.BUSY, "-s", "1", "-n", "3", "-d", "2")
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        start = time.monotonic()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=observe)  # the claim itself: it must still run after `observe` seconds
+        ran = time.monotonic() - start
+        record_property("busy_ran_s", round(ran, 1))
+        record_property("busy_stopped", int(proc.returncode is not None))
+        assert proc.returncode is None, f"watch ended (exit {proc.returncode}) after {ran:.1f} s"
+        proc.send_signal(signal.SIGTERM)  # forwarded to the job
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 124, err
+        assert not gpujobs.alive_with(marker)
+    finally:
+        _end(proc, marker)

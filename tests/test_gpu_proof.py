@@ -252,3 +252,46 @@ def test_ctrl_c_ends_the_running_check_and_everything_it_started(tmp_path):
         assert not grandchild.is_running()
     finally:
         _end(driver, grandchild)
+
+
+PROBE_ONLY_NVML = textwrap.dedent(
+    """
+    # One GPU for the proof's own probe (run as `python -c`); for everything else there is no NVML, as here.
+    import sys
+    from types import SimpleNamespace
+    if sys.argv[0] != "-c":
+        raise ImportError("no NVML outside the proof's probe")
+    def nvmlInit(): pass
+    def nvmlShutdown(): pass
+    def nvmlDeviceGetCount(): return 1
+    def nvmlDeviceGetHandleByIndex(i): return i
+    def nvmlDeviceGetUUID(h): return "GPU-00000000-1111-2222-3333-444444444444"
+    def nvmlDeviceGetName(h): return "Stand-in GPU"
+    def nvmlDeviceGetMemoryInfo(h): return SimpleNamespace(total=1 << 30, used=0)
+    def nvmlDeviceGetComputeRunningProcesses(h): return []
+    def nvmlDeviceGetGraphicsRunningProcesses(h): return []
+    def nvmlSystemGetCudaDriverVersion(): return 13000
+    def nvmlSystemGetDriverVersion(): return "0.0-stand-in"
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the proof runs as root")
+def test_a_run_whose_tests_cannot_run_records_them_as_failed(tmp_path):
+    """The whole path of a run (its checks' pytest runs, the record, the table files, the GPU afterwards)
+    with a stand-in NVML that only the proof's probe sees: the GPU tests are skipped, so they fail."""
+    (tmp_path / "pynvml.py").write_text(PROBE_ONLY_NVML)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = proof("--quick", "--only", "memory-v2,sentinel", "--out", str(out), env=env, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    record = json.loads((out / "proof.json").read_text())
+    assert record["host"]["driver"] == "0.0-stand-in" and record["quick"] is True
+    assert [c["name"] for c in record["checks"]] == ["memory-v2", "sentinel"]
+    for entry in record["checks"]:
+        verdict, measured = render.judged(entry)
+        assert verdict == "failed" and "skipped: needs an NVIDIA GPU" in measured, measured
+        assert entry["left"] == [] and (out / "logs" / f"{entry['name']}.log").exists()
+    assert record["left_on_gpu"] == []
+    assert (out / "proof.md").read_text().count("| failed |") == 2
+    assert (out / "proof.txt").read_text() in r.stdout

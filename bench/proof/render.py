@@ -48,7 +48,8 @@ def header_lines(record: Dict[str, Any]) -> List[str]:
         f"kernel {host.get('kernel')}"
     )
     mode = "--quick" if record.get("quick") else "full"
-    lines.append(f"{mode} run started {record.get('started')}, {record.get('seconds', 0):.0f} s")
+    took = f", {record['seconds']:.0f} s" if "seconds" in record else ""
+    lines.append(f"{mode} run started {record.get('started')}{took}")
     if record.get("synthetic"):
         lines.insert(0, f"SYNTHETIC DATA, NOT A MEASUREMENT: {record['synthetic']}")
     return lines
