@@ -179,6 +179,19 @@ KILL_ACTIONS = ("end_process", "shutdown", "reboot", "command")
 
 
 @dataclass(frozen=True)
+class OccupySection:
+    """The [occupy] section: the admin's limits on every user's `gpu-mon occupy on` (read from the system
+    config whatever config a user names). Empty `users` and `groups`: everyone may occupy."""
+
+    users: Tuple[str, ...] = ()
+    groups: Tuple[str, ...] = ()
+    max_gpus_per_user: Optional[int] = None
+    max_hold_hours: Optional[float] = None
+    require_yield: bool = False
+    line: int = 0
+
+
+@dataclass(frozen=True)
 class SentinelSection:
     """The [sentinel] section (seed 001 in the daemon), also what `gpu-mon sentinel`'s options make: arm
     after `arm_duration_seconds` at >= arm_threshold, act once after `kill_duration_seconds` below
@@ -210,6 +223,7 @@ class Config:
     sentinel: Optional[SentinelSection] = None  # off unless the section is written
     history: HistorySection = HistorySection()
     metrics: Optional[MetricsSection] = None  # off unless the section is written
+    occupy: Optional[OccupySection] = None  # no limits unless the section is written
     warnings: Tuple[str, ...] = ()
 
 
@@ -820,12 +834,51 @@ def _sentinel_section(sec: _Section) -> SentinelSection:
     return found
 
 
-_KINDS = ("defaults", "tty", "sentinel", "history", "metrics", "gpu-NAME", "process-NAME")
+def _count(value: str) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise ValueError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise ValueError(f"must be 1 or more, not {number}")
+    return number
+
+
+def _hours(value: str) -> float:
+    try:
+        hours = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number of hours") from None
+    if not 0 < hours * 3600 <= MAX_SECONDS:
+        raise ValueError(f"{value!r} must be more than 0 hours and at most a year (8760)")
+    return hours
+
+
+def _occupy_section(sec: _Section, warn: List[str]) -> OccupySection:
+    schema: Dict[str, Callable[[str], object]] = {
+        "users": _names,
+        "groups": _names,
+        "max_gpus_per_user": _optional(_count),
+        "max_hold_hours": _optional(_hours),
+        "require_yield": _bool,
+    }
+    values = sec.parse(schema)
+    if "users" in values:
+        _user_names_warning(values["users"][0], "users", sec, values["users"][1], warn)
+    for name in values.get("groups", ((), 0))[0]:
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            warn.append(f"{sec.where(values['groups'][1])}: [occupy] groups: no group {name!r} on this host")
+    return OccupySection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
+
+
+_KINDS = ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "gpu-NAME", "process-NAME")
 
 
 def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
     name = raw.name
-    if name in ("defaults", "tty", "sentinel", "history", "metrics"):
+    if name in ("defaults", "tty", "sentinel", "history", "metrics", "occupy"):
         return name
     for prefix in ("gpu-", "process-"):
         if name.startswith(prefix):
@@ -839,7 +892,7 @@ def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
                 )
                 return None
             return prefix
-    known = ["defaults", "tty", "sentinel", "history", "metrics", "gpu-", "process-"]
+    known = ["defaults", "tty", "sentinel", "history", "metrics", "occupy", "gpu-", "process-"]
     near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.5)
     hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
     sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
@@ -862,6 +915,7 @@ def parse(text: str, path: str = "<config>") -> Config:
     sentinel: Optional[SentinelSection] = None
     history = HistorySection()
     metrics: Optional[MetricsSection] = None
+    occupy: Optional[OccupySection] = None
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
     bad_lines: Dict[int, str] = {}
@@ -878,6 +932,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             history = _history_section(sec, base)
         elif kind == "metrics":
             metrics = _metrics_section(sec, base)
+        elif kind == "occupy":
+            occupy = _occupy_section(sec, warnings)
         elif kind == "gpu-":
             g = _gpu_section(sec, warnings)
             if g:
@@ -898,6 +954,7 @@ def parse(text: str, path: str = "<config>") -> Config:
         sentinel=sentinel,
         history=history,
         metrics=metrics,
+        occupy=occupy,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
     if errors:

@@ -382,12 +382,44 @@ def public_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def occupy_paths(tmp_path_factory: pytest.TempPathFactory):
+    """`gpu-mon occupy` registers every occupier in a host-wide directory and reads the admin's limits from
+    /etc/gpu_mon.conf; for root (the tests) both move into the session's temporary directory (no file
+    there: no limits)."""
+    base = tmp_path_factory.mktemp("occupy-host")
+    saved = {k: os.environ.get(k) for k in ("GPU_MON_OCCUPIERS_DIR", "GPU_MON_SYSTEM_CONFIG")}
+    os.environ.update(
+        GPU_MON_OCCUPIERS_DIR=str(base / "occupiers"), GPU_MON_SYSTEM_CONFIG=str(base / "gpu_mon.conf")
+    )
+    yield base
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def occupy_paths_of_the_copy(package: Path, public_dir: Path) -> None:
+    """A plain user cannot move those two paths (the environment is honoured only for root): in a copy of
+    the package run by `nobody`, point them into `public_dir` (gpu_mon.conf there: the limits)."""
+    for module, name, value in (
+        ("api/occupiers.py", "REGISTRY", public_dir / "occupiers"),
+        ("commands/occupy_limits.py", "SYSTEM_CONFIG", public_dir / "gpu_mon.conf"),
+    ):
+        path = package / module
+        text, count = re.subn(rf"^{name} = .*$", f"{name} = {str(value)!r}", path.read_text(), flags=re.M)
+        assert count == 1, f"{module}: no {name} to point into the test's directory"
+        path.write_text(text)
+
+
 def nobody_host(public_dir: Path) -> Tuple[SimHost, Path]:
     """A simulated host and a copy of the package, both readable by `nobody` (a checkout under /root is
     not): (the host, the directory to put on PYTHONPATH)."""
     sim = SimHost(public_dir, 2)
     code_dir = public_dir / "code"
     shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    occupy_paths_of_the_copy(code_dir / "gpu_mon", public_dir)
     for path in (
         public_dir / "dev",
         sim.path,

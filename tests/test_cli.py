@@ -57,7 +57,7 @@ def test_check_bad_config_lists_every_error(tmp_path, sim):
         f"{path}:2: [gpu-all] gpus: 'x' is not a GPU index or UUID",
         f"{path}:3: [process-m] cmd: missing (the command to run)",
         f"{path}:5: [tyy]: unknown section (did you mean [tty]?); known: [defaults], [tty], "
-        "[sentinel], [history], [metrics], [gpu-NAME], [process-NAME]",
+        "[sentinel], [history], [metrics], [occupy], [gpu-NAME], [process-NAME]",
     ]
     no_traceback(r)
 
@@ -161,7 +161,7 @@ def test_status_fresh_look_text_and_json(conf, sim):
     try:
         r = gpu_mon("--config", str(conf), "--sim", str(sim.path), "status")
         assert r.returncode == 0, r.stderr
-        assert "no daemon running; one fresh look at the host" in r.stdout
+        assert "no daemon: a single look at the host" in r.stdout
         assert f"GPU 0 ({UUIDS[0]})  Sim GPU 0" in r.stdout
         name = (
             Path(f"/proc/{p.pid}/comm").read_text().strip()
@@ -209,7 +209,7 @@ def test_status_reads_a_running_daemons_state(tmp_path, sim, daemon_factory):
     d.proc.kill()
     d.proc.wait()
     r = gpu_mon("--config", str(d.config_path), "--sim", str(sim.path), "status")
-    assert "no daemon running" in r.stdout
+    assert "no daemon: a single look" in r.stdout
 
 
 def test_python_dash_m_and_version():
@@ -311,7 +311,7 @@ def test_status_without_config_points_at_the_daemon_it_did_not_look_for(tmp_path
     d = daemon_factory("[gpu-all]\ngpus = ALL\n")
     wait_for(lambda: d.state(), what="the daemon's state file")
     r = gpu_mon("--sim", str(sim.path), "status")
-    assert "no daemon running" in r.stdout
+    assert "no daemon: a single look" in r.stdout
     assert "looked for a daemon holding /run/gpu_mon/state.json.lock" in r.stdout
     assert f"a gpu-mon daemon runs as pid {d.proc.pid} with --config {d.config_path}" in r.stdout
 

@@ -13,7 +13,7 @@ import time
 from typing import List, Optional
 
 from gpu_mon.api import usage
-from gpu_mon.commands import base
+from gpu_mon.commands import base, occupy_limits
 from gpu_mon.commands import occupy as oc
 from gpu_mon.engine import lock
 from gpu_mon.engine.occupy import OccupySpec
@@ -29,7 +29,7 @@ def on(args: argparse.Namespace) -> int:
     if lock.holder(state) is not None:
         _already_running(args)
         return base.EXIT_FAILURE
-    _check_gpus(args, spec)
+    spec = occupy_limits.apply(spec, _check_gpus(args, spec))
     child = oc.spawn_serve(spec, log_path, bool(args.debug))
     started = oc.wait_until(
         lambda: child.poll() is not None or _is_up(state, record, child.pid), oc._START_TIMEOUT
@@ -38,7 +38,7 @@ def on(args: argparse.Namespace) -> int:
         gpus = f"GPUs {', '.join(str(g) for g in spec.gpus)}" if spec.gpus else "every GPU"
         print(
             f"gpu-mon occupy: started (pid {child.pid}, {spec.mode} mode): waits until {gpus} has been free "
-            f"for {spec.wait_minutes:g} min, then runs {spec.what}\nlog: {log_path}"
+            f"for {spec.wait_minutes:g} min, then runs {spec.what}{_hold_limit(spec)}\nlog: {log_path}"
         )
         return base.EXIT_OK
     if child.poll() is None:  # not up in time: take it down again rather than leave it half-started
@@ -61,13 +61,22 @@ def _already_running(args: argparse.Namespace) -> None:
     _print_status(args, stream=sys.stderr)
 
 
-def _check_gpus(args: argparse.Namespace, spec: OccupySpec) -> None:
-    """The GPUs named must exist now (exit 2); GPUs that cannot be read are the occupier's to wait on."""
+def _hold_limit(spec: OccupySpec) -> str:
+    if not spec.max_hold_hours:
+        return ""
+    hours = f"{spec.max_hold_hours:g} h"
+    return f"; gives them back after {hours} ([occupy] max_hold_hours in {spec.limits_from})"
+
+
+def _check_gpus(args: argparse.Namespace, spec: OccupySpec) -> Optional[int]:
+    """The GPUs named must exist now (exit 2); GPUs that cannot be read are the occupier's to wait on.
+    Returns how many GPUs it would take (None: none could be read)."""
     backend, _source = base.backend(args)
     try:
         reading = backend.read()
-        if not reading.error:
-            usage.select(reading, spec.gpus or None)
+        if reading.error:
+            return len({str(g).lower() for g in spec.gpus}) or None
+        return len({g.uuid or g.index for g in usage.select(reading, spec.gpus or None)})
     except usage.GpuUsageError as err:
         raise base.CliError(f"occupy: --gpus: {err}") from None
     finally:
@@ -93,6 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     backend, source = base.backend(args, writes=False)
     listeners = [StateFile(state), PhaseFile(phase, spec.polite)]
     daemon = Daemon(config, backend, source="" if source == "NVML" else source, listeners=listeners)
+    daemon.loop.listeners.extend(occupy_limits.serve_listeners(spec, daemon.end, time.time()))
     daemon.catch_signals()
     held = lock.DaemonLock(state)
     try:

@@ -1,4 +1,6 @@
-"""`gpu-mon status`: the running daemon's view (found through its lock), or one fresh look at the host."""
+"""`gpu-mon status`: the running daemon's view (found through its lock), or a single look at the host when
+no daemon runs; either way with every user's occupier (`gpu-mon occupy`) and only the terminals someone is
+logged in on."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import os
 import time
 from typing import Dict, List, Optional
 
-from gpu_mon.api import procfs
+from gpu_mon.api import logins, occupiers, procfs
 from gpu_mon.api.observe import Backend, look
 from gpu_mon.commands import base
 from gpu_mon.config import DEFAULT_PATH, Config, Defaults, TtySection
@@ -67,11 +69,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     doc = daemon_state(state_file)
     if doc is None:
         backend, source = base.backend(args)
-        doc = fresh_look(config, backend, source)
+        doc = report.no_countdowns(fresh_look(config, backend, source))
         doc["looked_for"] = state_file
         doc["other_daemons"] = other_daemons()
         if config is None:
             doc["config"] = f"{DEFAULT_PATH} (missing: showing the host only)"
+    report.logged_in_terminals(doc, logins.logged_in_lines())
+    doc["occupiers"] = occupiers.list_occupiers()
     print(
         json.dumps(report.with_idle_seconds(doc, time.time()), indent=2) if args.json else report.render(doc)
     )

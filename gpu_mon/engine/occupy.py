@@ -50,6 +50,10 @@ class OccupySpec:
     ignore_users: List[str] = field(default_factory=list)
     cwd: str = "/"
     env: Dict[str, str] = field(default_factory=dict)
+    # Set by `on` from the system config's [occupy] (never from the user's options): give the GPUs back
+    # and exit after this long, counted from when it first occupies; where the limit was read.
+    max_hold_hours: Optional[float] = None
+    limits_from: str = ""
 
     @property
     def mode(self) -> str:

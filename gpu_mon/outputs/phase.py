@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.outputs import statefile
+
+
+def next_phase(report: RoundReport, polite: bool, occupied: bool) -> Tuple[str, bool]:
+    """(the phase, whether it has occupied yet) after this round."""
+    if any(not w.get("stopping") for w in report.workloads):
+        return "occupying", True
+    if polite and occupied:
+        return "yielded", True  # gave the GPUs back to someone else; takes them again after the wait
+    return "waiting", occupied
 
 
 class PhaseFile:
@@ -23,13 +32,7 @@ class PhaseFile:
 
     def on_round(self, report: RoundReport) -> None:
         """Work the phase out of the round; write it when it changed."""
-        if any(not w.get("stopping") for w in report.workloads):
-            phase = "occupying"
-            self.occupied = True
-        elif self.polite and self.occupied:
-            phase = "yielded"  # gave the GPUs back to someone else; takes them again after the wait
-        else:
-            phase = "waiting"
+        phase, self.occupied = next_phase(report, self.polite, self.occupied)
         if phase != self.phase:
             self.phase = phase
             statefile.write(self.path, {"phase": phase, "since_wall": round(report.wall, 3)})

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Set
 
 from gpu_mon import __version__
+from gpu_mon.api import logins
 from gpu_mon.api.model import Gpu, Holder, Snapshot, gpu_label
 from gpu_mon.api.text import sanitize, sanitize_lines
 from gpu_mon.config import Config, GpuSection
@@ -153,6 +154,7 @@ class _Document:
             {
                 "device": t.device,
                 "user": t.user,
+                "uid": t.uid,
                 "active_wall": round(self.wall - t.idle_seconds),
                 "pauses_work": (t.device, t.user) in hot,
             }
@@ -219,11 +221,39 @@ def render(doc: dict) -> str:
     if not doc.get("gpus"):
         lines.append("No GPUs found.")
     lines += _idle_holder_lines(doc, now) + _terminal_lines(doc, now) + _workload_lines(doc, now)
+    if doc.get("occupiers"):
+        lines += ["", "Occupiers (gpu-mon occupy, every user's):"]
+        lines += occupier_lines(doc["occupiers"], doc.get("gpus", []), now)
     if doc.get("decisions"):
         lines += ["", "Recent decisions:"]
         for entry in doc["decisions"][-10:]:
             lines.append(f"    {time.strftime('%H:%M:%S', time.localtime(entry['wall']))}  {entry['text']}")
     return sanitize_lines("\n".join(lines))
+
+
+def logged_in_terminals(doc: dict, lines: Set[str]) -> dict:
+    """The document with only the terminals someone is logged in on (and any that pause work);
+    `terminals_not_shown` counts the others (consoles with nobody on them)."""
+    terms = doc.get("terminals") or []
+    keep = [t for t in terms if t.get("pauses_work") or logins.logged_in(t["device"], _owner(t), lines)]
+    doc["terminals"], doc["terminals_not_shown"] = keep, len(terms) - len(keep)
+    return doc
+
+
+def _owner(terminal: dict) -> int:
+    """The terminal's owner uid (a state file written before uids were recorded has only the name)."""
+    uid = terminal.get("uid")
+    if isinstance(uid, int):
+        return uid
+    return 0 if terminal.get("user") == "root" else -1
+
+
+def no_countdowns(doc: dict) -> dict:
+    """Without a daemon nothing counts a start delay down: say so instead of a timer."""
+    for w in doc.get("workloads") or []:
+        if w.get("state") == "waiting" and w.get("why", "").startswith("waiting: start delay"):
+            w["state"], w["why"] = "not running", "not running: no daemon (its GPUs are free now)"
+    return doc
 
 
 def _header(doc: dict, now: float) -> List[str]:
@@ -239,7 +269,7 @@ def _header(doc: dict, now: float) -> List[str]:
     else:
         source = f" ({doc['source']})" if doc.get("source") else ""
         lines = [
-            f"gpu-mon {doc.get('gpu_mon')}: no daemon running; one fresh look at the host{source}; "
+            f"gpu-mon {doc.get('gpu_mon')}: no daemon: a single look at the host{source}; "
             f"config {doc.get('config')}"
         ]
         lines += _where_looked(doc)
@@ -316,6 +346,25 @@ def _terminal_lines(doc: dict, now: float) -> List[str]:
             )
     if doc.get("paused_by"):
         lines.append(f"All work paused for terminal users: {'; '.join(doc['paused_by'])}")
+    return lines
+
+
+def occupier_lines(found: List[dict], gpus: List[dict], now: float) -> List[str]:
+    """One line per occupier: user, phase and since when, its GPUs, polite or firm, pid."""
+    index = {g.get("uuid"): g.get("index") for g in gpus}
+    lines = []
+    for r in found:
+        held = [f"GPU {index[u]}" if index.get(u) is not None else str(u) for u in r.get("gpus") or []]
+        asked = [f"GPU {g}" if str(g).isdigit() else str(g) for g in r.get("gpus_asked") or []]
+        where = ", ".join(asked or held) or "every GPU"
+        since = r.get("since_wall")
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(since)) if since else "?"
+        ago = words.duration(now - since) if since else "?"
+        manner = "polite (--yield)" if r.get("polite") else "firm"
+        user, phase = sanitize(str(r.get("user"))), sanitize(str(r.get("phase")))
+        lines.append(
+            f"    {user:<12} {phase:<9} since {when} ({ago}), {sanitize(where)}, {manner}, pid {r.get('pid')}"
+        )
     return lines
 
 
