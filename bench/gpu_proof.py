@@ -77,7 +77,10 @@ def plan(checks: List[Check]) -> str:
             f"    runs: {command}",
         ]
     quick, full = (sum(c.budget[i] for c in checks) for i in (0, 1))
-    lines.append(f"at most {full / 60:.0f} min in all ({quick / 60:.0f} min with --quick)")
+    lines.append(
+        f"budgets: {full / 60:.1f} min in all ({quick / 60:.1f} min with --quick), plus under 30 s for the "
+        "header and the last NVML look (and up to 30 s to stop a check that runs past its budget)"
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -285,7 +285,7 @@ CHECKS: List[Check] = [
         "NVML look cost",
         "the whole look 71/95 µs (median/p99, H100); polling NVML is negligible next to the /proc scan",
         "whole look median under 1 ms, and `gpu-mon status` lists a CUDA process by node and by NVML",
-        (30, 60),
+        (20, 60),
         judge=nvml_cost,
         **bench("nvml-cost", "nvml_calls.py", ["--reads", "100"], ["--reads", "200"]),
     ),
@@ -295,7 +295,7 @@ CHECKS: List[Check] = [
         "v1 counts the driver's reserve as used (about 480 MiB on an idle H100); gpu-mon reads v2, the "
         "reserve apart",
         "v1 used = v2 used + reserved (within 16 MiB), reserve > 0, gpu-mon's used = v2 used",
-        (20, 30),
+        (12, 30),
         judge=tested(memory_v2),
         **tests("memory-v2", "test_gpu_memory.py"),
     ),
@@ -305,7 +305,7 @@ CHECKS: List[Check] = [
         "0/20 out of memory; memory freed 213 ms (p50; p99 245) after the foreign cuInit, before it was "
         "ready to allocate (264 ms p50)",
         "no out-of-memory, and in every trial memory freed before the foreign process was ready",
-        (75, 300),
+        (70, 280),
         judge=handoff(need_margin=True),
         **bench("handoff-torch", "gpu_preempt.py", ["--trials", "5"], ["--trials", "20"]),
     ),
@@ -314,7 +314,7 @@ CHECKS: List[Check] = [
         "handoff to raw libcuda, 80% held",
         "a foreign process opening the GPU must see our workload gone before its first allocation",
         "no out-of-memory (the margin is reported)",
-        (45, 150),
+        (40, 150),
         judge=handoff(need_margin=False),
         **bench(
             "handoff-libcuda",
@@ -329,7 +329,7 @@ CHECKS: List[Check] = [
         "bf16 686 vs 690 TFLOP/s plain (0.995; fp16 0.999); held 70884.0 of 70885.9 MiB; SIGTERM: released "
         "105 ms, all 153 ms, exit 199 ms; --verify 0.875 of plain",
         "the benchmark's own targets: ratio >= 0.95, memory within 1%, release and exit < 1 s, verify=ok",
-        (90, 210),
+        (70, 170),
         judge=stress,
         **bench(
             "stress",
@@ -343,7 +343,7 @@ CHECKS: List[Check] = [
         "per-process utilization",
         "per-process utilization comes from NVML's process samples (shown by `status` next to each process)",
         "a busy torch job: mean |gpu-mon - nvidia-smi pmon| <= 10 points over >= 10 samples, job >= 50%",
-        (35, 75),
+        (35, 60),
         judge=tested(utilization),
         **tests("utilization", "test_gpu_utilization.py"),
     ),
@@ -352,7 +352,7 @@ CHECKS: List[Check] = [
         "`watch` on torch jobs",
         "stops the whole tree when its GPUs stay idle for the window and exits 124; a busy command runs on",
         "idle: exit 124 within a sample (+2 s start-up) of the window's end, nothing left; busy: not stopped",
-        (50, 75),
+        (50, 60),
         judge=tested(watch),
         **tests(
             "watch",
@@ -366,7 +366,7 @@ CHECKS: List[Check] = [
         "`on` holds the GPUs once idle, `off` stops everything it started; --yield gives them back the "
         "moment anyone else uses one (10 of 10 foreign jobs allocate half without out-of-memory; 3 quick)",
         "no out-of-memory; memory freed within 5 s of `off`; held within its wait + 60 s",
-        (60, 180),
+        (85, 240),
         judge=tested(occupy),
         **tests("occupy", "test_gpu_occupy.py"),
     ),
@@ -385,7 +385,7 @@ CHECKS: List[Check] = [
         "`gpu-mon status` lists a CUDA process as a node holder and an NVML process with its memory; "
         "/metrics has each GPU's memory and utilization",
         "pids as nvidia-smi, memory within 8 MiB, /metrics memory within 2% of NVML and utilization >= 0.5",
-        (35, 60),
+        (28, 60),
         judge=tested(status),
         **tests("status", "test_gpu_status.py"),
     ),
