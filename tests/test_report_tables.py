@@ -132,7 +132,8 @@ def test_the_bar_panel_has_readable_bins_for_the_period(tmp_path, days, per, inn
     fig = plot.figure(conn, doc, since, until)
     try:
         bottom = fig.axes[1]
-        assert plot.bar_bins(since, until)[0] == per and bottom.get_ylabel() == f"GPU-hours per {per}"
+        unit, unit_seconds = ("GPU-minutes", 60) if days <= 0.25 else ("GPU-hours", 3600)
+        assert plot.bar_bins(since, until)[0] == per and bottom.get_ylabel() == f"{unit} per {per}"
         capacity, harvested = bottom.containers
         assert len(harvested) == len(capacity) and bars[0] <= len(harvested) <= bars[1]
         widths = [p.get_width() for p in harvested]
@@ -142,7 +143,7 @@ def test_the_bar_panel_has_readable_bins_for_the_period(tmp_path, days, per, inn
         assert lefts[0] == pytest.approx(lo) and lefts[-1] + widths[-1] == pytest.approx(hi)
         if per == "day":  # the inner bars start at local midnights
             assert all(mdates.num2date(x).strftime("%H:%M") == "00:00" for x in lefts[1:])
-        seconds = sum(p.get_height() for p in harvested) * 3600
+        seconds = sum(p.get_height() for p in harvested) * unit_seconds
         assert seconds == pytest.approx(doc["total"]["harvested_seconds"], abs=1.0)  # the table's figure
         fig.canvas.draw()
         labels = [t.get_text() for t in bottom.get_xticklabels() if t.get_text()]

@@ -1,5 +1,5 @@
 """`gpu-mon report --plot FILE`: a timeline per GPU colored by state with preemptions marked, and below it,
-on the same time axis, bars of harvested GPU-hours (per minute to per day, by the period's length)
+on the same time axis, bars of harvested GPU time (per minute to per day, by the period's length)
 against all the GPUs' time. The only module that imports matplotlib (the `gpu-mon[plot]` extra)."""
 
 from __future__ import annotations
@@ -120,17 +120,23 @@ def _timeline(ax, gpus: List[dict], spans, yields, since: float, until: float) -
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="▼ preemption")
 
 
+def bar_unit(since: float, until: float) -> Tuple[str, float]:
+    """The bars' unit, as the report's table has it: GPU-minutes up to 6 hours, GPU-hours beyond."""
+    return ("GPU-minutes", 60.0) if until - since <= 6 * 3600 else ("GPU-hours", 3600.0)
+
+
 def _bars(ax, uuids: List[str], spans, since: float, until: float) -> None:
-    """Harvested GPU-hours per bin, in front of the GPU-hours all the GPUs had in it (a partial bin at
+    """Harvested GPU time per bin, in front of the GPU time all the GPUs had in it (a partial bin at
     either end of the period is shorter)."""
     per, edges = bar_bins(since, until)
+    unit, seconds = bar_unit(since, until)
     grid = summary.cells(uuids, spans, edges)
     left = [_num(t) for t in edges[:-1]]
     width = [_num(b) - _num(a) for a, b in zip(edges, edges[1:])]
-    hours = [(b - a) * len(uuids) / 3600 for a, b in zip(edges, edges[1:])]
-    harvested = [sum(g["harvested"] for g in row.values()) / 3600 for row in grid]
+    had = [(b - a) * len(uuids) / seconds for a, b in zip(edges, edges[1:])]
+    harvested = [sum(g["harvested"] for g in row.values()) / seconds for row in grid]
     look = {"width": width, "align": "edge", "edgecolor": "white", "linewidth": 0.5}
-    ax.bar(left, hours, color=CAPACITY_COLOR, label="all GPUs' time", **look)
+    ax.bar(left, had, color=CAPACITY_COLOR, label="all GPUs' time", **look)
     ax.bar(left, harvested, color=COLORS["harvested"], label="harvested", **look)
-    ax.set_ylabel(f"GPU-hours per {per}")
+    ax.set_ylabel(f"{unit} per {per}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
