@@ -96,6 +96,8 @@ class GpuSection:
     idle_holder_seconds: float = 7200.0
     idle_holder_memory_mib: int = 1024
     idle_holder_utilization_pct: float = 1.0
+    # Run (as the daemon's user, no shell) once when an idle-holder episode starts; None: nothing runs.
+    idle_holder_command: Optional[Tuple[str, ...]] = None
     line: int = 0
     # The line each written key is on (not compared: moving a key in the file changes nothing).
     key_lines: Tuple[Tuple[str, int], ...] = field(default=(), compare=False)
@@ -605,6 +607,7 @@ def _gpu_section(sec: _Section, warn: List[str]) -> Optional[GpuSection]:
         "idle_holder_seconds": _seconds,
         "idle_holder_memory_mib": _mib,
         "idle_holder_utilization_pct": _percent,
+        "idle_holder_command": _optional(_command),
     }
     values = sec.parse(schema)
     if not sec.has("gpus"):

@@ -1,10 +1,10 @@
 """A pytest plugin: the test suite leaves the machine's own gpu-mon files as it found them.
 
 Before the run it records the daemon's real paths (`/var/lib/gpu_mon`, `/run/gpu_mon`, `/etc/gpu_mon.conf`,
-`/var/log/gpu-mon`, directories recursively): whether each exists, its type, owner, mode, size, mtime and,
-for files, a hash of the content. After the last test of each module it compares, so the module that
-changed something fails (naming the first test after which the change was seen); after the run it compares
-once more and fails the run if anything differs from the start.
+`/var/log/gpu-mon`, and `/tmp/gpu-mon-occupiers` where occupiers register; directories recursively): whether
+each exists, its type, owner, mode, size, mtime and, for files, a hash of the content. After the last test of
+each module it compares, so the module that changed something fails (naming the first test after which the
+change was seen); after the run it compares once more and fails the run if anything differs from the start.
 
 `GPU_MON_TEST_MACHINE_PATHS` (paths separated by `:`) replaces the guarded paths: the guard's own test uses
 it to watch a temporary directory instead of the machine.
@@ -20,7 +20,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
-MACHINE_PATHS = ("/var/lib/gpu_mon", "/run/gpu_mon", "/etc/gpu_mon.conf", "/var/log/gpu-mon")
+MACHINE_PATHS = (
+    "/var/lib/gpu_mon",
+    "/run/gpu_mon",
+    "/etc/gpu_mon.conf",
+    "/var/log/gpu-mon",
+    "/tmp/gpu-mon-occupiers",  # every user's `occupy` record (api/occupiers.py)
+)
 PATHS_ENV = "GPU_MON_TEST_MACHINE_PATHS"
 
 Entry = Tuple[object, ...]

@@ -150,4 +150,5 @@ def test_the_guard_watches_the_real_paths_by_default(monkeypatch):
         "/run/gpu_mon",
         "/etc/gpu_mon.conf",
         "/var/log/gpu-mon",
+        "/tmp/gpu-mon-occupiers",
     )

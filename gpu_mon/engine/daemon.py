@@ -25,6 +25,7 @@ from gpu_mon.config import Config, ConfigError
 from gpu_mon.engine import gpustate, idleholders, policy, reload, words
 from gpu_mon.engine.decisions import Decision, PolicyState, Preemption, Start, Stop
 from gpu_mon.engine.idle import DaemonSentinel
+from gpu_mon.engine.idlecommand import IdleCommands
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.opens import OpenWatch
 from gpu_mon.engine.reload import Reloader
@@ -66,6 +67,7 @@ class Daemon:
         self.reloader = Reloader(self.loop.poke)
         self.idle: Optional[DaemonSentinel] = None
         self.idle_track = idleholders.IdleTrack({}, {})
+        self.idle_commands = IdleCommands(self.supervisor.spawn_helper)
         self.wake_at = 0.0  # when this wake of the loop began (yield latencies count from it)
         self.wake_by_open = False
         self.yielding: Dict[str, dict] = {}  # workload key -> the stop for a busy GPU under way
@@ -396,6 +398,10 @@ class Daemon:
                 plan.rules[h.uuid].idle_holder_utilization_pct if h.uuid in plan.rules else 1.0,
                 words.duration(h.idle_seconds(snap.now)),
             )
+            rules = plan.rules.get(h.uuid)
+            if rules is not None and rules.idle_holder_command:
+                label = f"{h.user} {h.program}[{h.pid}] on {words.gpu(h.uuid, plan.index_of)}"
+                self.idle_commands.start(rules.idle_holder_command, h, snap.now, label)
         for h in ended:
             log.info(
                 "idle holder on %s no more: %s %s[%d] (idle for %s)",

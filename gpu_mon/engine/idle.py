@@ -23,7 +23,7 @@ from gpu_mon.config import SentinelSection
 from gpu_mon.engine.loop import RoundReport
 
 log = logging.getLogger("gpu_mon")
-_ACTION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ACTION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def ticks(seconds: float, interval: float) -> int:
@@ -205,7 +205,7 @@ class DaemonSentinel:
             log.warning("sentinel: the last action is still running; not starting another")
             return
         argv = action_argv(self.settings)
-        env = {"PATH": _ACTION_PATH, "LANG": "C.UTF-8"}
+        env = {"PATH": ACTION_PATH, "LANG": "C.UTF-8"}
         found = resolve(argv, env)
         if found is None:
             log.error("sentinel: %s: command not found", argv[0])
