@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 from conftest import (
@@ -329,3 +329,222 @@ def test_the_stressor_command_is_one_the_stressor_accepts(tmp_path):
     assert (args.memory, float(args.compute_seconds), float(args.sleep_seconds)) == ("20GiB", 900.0, 600.0)
     memory_only = config(OccupySpec(no_compute=True), str(tmp_path)).processes[0].cmd
     assert build_parser().parse_args(list(memory_only[3:])).workload == "none"
+
+
+# ------------------------------------------------------------------------------- as a plain user, --yield
+
+OTHER_UID = 54321  # another user, with no name: its descriptors are unreadable to nobody
+PLAIN_LINE = "not root: other users' processes are seen only through NVML"
+
+
+class PlainOccupier:
+    """`gpu-mon occupy` run by nobody on a host and a package nobody can read (the system interpreter)."""
+
+    def __init__(self, public_dir: Path):
+        self.sim, code_dir = nobody_host(public_dir)
+        self.home = public_dir / "home"
+        self.home.mkdir()
+        os.chown(self.home, 65534, 65534)
+        self.dir = self.home / ".local" / "state" / "gpu-mon" / "occupy"
+        self.env = {
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(code_dir),
+            "HOME": str(self.home),
+            "GPU_MON_SIM": str(self.sim.path),
+        }
+        self.marker = f"gmo-{uuid.uuid4().hex}"
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["/usr/bin/python3", "-m", "gpu_mon", "occupy", *args],
+            capture_output=True,
+            text=True,
+            user=65534,
+            group=65534,
+            extra_groups=[],
+            cwd=str(self.home),
+            env=self.env,
+            timeout=60,
+        )
+
+    def cmd(self, code: str) -> List[str]:
+        """`-- python -c CODE MARKER`: CMD, marked for cleanup."""
+        return ["--", "/usr/bin/python3", "-c", code, self.marker]
+
+    def state(self) -> str:
+        return str(json.loads(self("status", "--json").stdout)["state"])
+
+    def log(self) -> str:
+        try:
+            return (self.dir / "occupy.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def gpu(self, index: int) -> Dict[str, object]:
+        """GPU `index` in the occupier's state file ({} before there is one)."""
+        try:
+            return dict(json.loads((self.dir / "state.json").read_text())["gpus"][index])
+        except (OSError, ValueError, LookupError):
+            return {}
+
+    def holders(self, index: int) -> List[Dict[str, object]]:
+        """The holders of GPU `index` in the occupier's state file."""
+        return list(self.gpu(index).get("holders") or [])  # type: ignore[call-overload]
+
+    def close(self) -> None:
+        self("off", "--timeout", "10")
+        kill_marked(self.marker)
+
+
+@pytest.fixture
+def plain(public_dir):
+    p = PlainOccupier(public_dir)
+    yield p
+    p.close()
+
+
+def other_user(argv: List[str]) -> subprocess.Popen:
+    """A process of another user (a uid nobody cannot inspect), saying a line when it is ready."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        user=OTHER_UID,
+        group=OTHER_UID,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        start_new_session=True,
+    )
+
+
+def test_plain_user_yield_gives_back_at_once_on_another_users_open(plain):
+    """nobody's polite occupier, polling once a minute: another user's open alone (unreadable to nobody, and
+    not in NVML's list) stops CMD within a couple of seconds, and the GPUs stay given back."""
+    out = plain.home / "cmd-ran"
+    code = f"import time; open({str(out)!r}, 'w').write('yes'); time.sleep(600)"
+    r = plain("on", "--yield", "--wait-minutes", "0.02", "--refresh-minutes", "1", *plain.cmd(code))
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: out.exists() and marked(plain.marker), what="CMD running as nobody")
+    assert plain.state() == "occupying"
+    opener = other_user(foreign_opener_cmd(plain.sim.device(0)))
+    try:
+        assert opener.stdout is not None and opener.stdout.readline().strip() == b"open"
+        wait_for(lambda: marked(plain.marker) == [], timeout=3, what="CMD stopped by the open alone")
+        stop = re.search(
+            r"GPU 0 \(\S+\) busy: opened by a process whose files cannot .*stopping occupy", plain.log()
+        )
+        assert stop, plain.log()
+        m = wait_for(lambda: re.search(r"occupy\[\d+\] stopped in (\d+) ms", plain.log()), what="stop line")
+        assert int(m.group(1)) < 2000, plain.log()  # type: ignore[union-attr]
+        assert plain.state() == "yielded"
+        assert "starting occupy" not in plain.log().split(stop.group(0), 1)[1]
+    finally:
+        opener.kill()
+        opener.wait()
+
+
+def test_plain_user_yield_never_yields_to_its_own_opens(plain):
+    """CMD and its child open the GPUs' nodes (as a CUDA program does) while another user's process keeps
+    changing its open files: the occupier sees its own opens as its own and keeps the GPUs."""
+    ready = plain.home / "cmd-ready"
+    devices = [plain.sim.device(0), plain.sim.device(1)]
+    code = (
+        "import os, sys, time\n"
+        f"a = open({devices[0]!r})\n"
+        "if os.fork() == 0:\n"
+        f"    b = open({devices[1]!r}); time.sleep(0.3); c = open({devices[0]!r})\n"
+        f"    open({str(ready)!r}, 'w').write('yes'); time.sleep(600)\n"
+        "time.sleep(600)\n"
+    )
+    churn = (  # a new descriptor every 2 ms, all closed at 500: its count of open files always moves
+        "import os, time\nprint('ok', flush=True)\nfds = []\nwhile True:\n"
+        "    fds.append(os.open('/dev/null', 0)); time.sleep(0.002)\n"
+        "    if len(fds) > 500:\n        [os.close(f) for f in fds]; fds = []\n"
+    )
+    churner = other_user(["/usr/bin/python3", "-c", churn])
+    try:
+        assert churner.stdout is not None and churner.stdout.readline().strip() == b"ok"
+        r = plain("on", "--yield", *FAST, *plain.cmd(code))
+        assert r.returncode == 0, r.stderr
+        wait_for(ready.exists, what="CMD and its child holding both GPUs")
+        pids = set(marked(plain.marker))
+
+        def seen_as_ours(index: int) -> bool:
+            return {int(h["pid"]) for h in plain.holders(index) if h["ours"]} & pids != set()
+
+        wait_for(lambda: seen_as_ours(0) and seen_as_ours(1), what="the occupier seeing its own holders")
+        plain.sim.set(0, name="renamed")  # a poll that sees this comes after every open above was handled
+        wait_for(lambda: plain.gpu(0).get("name") == "renamed", what="a poll after the opens")
+        assert "stopping occupy" not in plain.log() and "cannot be read" not in plain.log(), plain.log()
+        assert plain.state() == "occupying"
+    finally:
+        churner.kill()
+        churner.wait()
+
+
+def test_plain_user_warning_is_one_line_at_start(plain):
+    """What a plain user cannot see is said once, at start; never again for each new process of others."""
+    r = plain("on", *FAST, *plain.cmd("import time; time.sleep(600)"))
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: plain.state() == "occupying", what="occupying")
+    others = [
+        other_user(["/usr/bin/python3", "-c", "print('up', flush=True); import time; time.sleep(600)"])
+        for _ in range(3)
+    ]
+    try:
+        for p in others:
+            assert p.stdout is not None and p.stdout.readline().strip() == b"up"
+        plain.sim.set(1, memory_used_mib=2000)  # seen at the next poll, which also reads the new processes
+        wait_for(lambda: "2000 MiB used by others" in plain.log(), what="a poll after the others started")
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+    log = plain.log()
+    assert log.count(PLAIN_LINE) == 1 and "hold mode keeps the GPUs" in log, log
+    assert "cannot read the open files" not in log and "run gpu-mon as root" not in log, log
+
+
+def test_an_unseen_open_is_someone_elses_use_for_the_wait_then_the_wait_starts_again(tmp_path):
+    """Pure: the policy on occupy's config. An unseen open makes the GPU busy (foreign, so the stop is
+    urgent) for --wait-minutes; then the GPU is free and the usual wait starts. Not for an ignored user, and
+    never where unreadable processes make a GPU busy anyway (the root daemon)."""
+    from gpu_mon.api.model import Denied, Gpu, GpuReading, Running, Snapshot, UnseenOpen
+    from gpu_mon.engine import gpustate, policy, words
+    from gpu_mon.engine.decisions import PolicyState, Start, Stop
+    from gpu_mon.engine.occupy import OccupySpec, config
+
+    gpus = tuple(Gpu(index=i, uuid=f"GPU-{i}", device=f"/dev/nvidia{i}", memory_used_mib=0) for i in (0, 1))
+    opened = (UnseenOpen("GPU-0", 1000.0, (Denied(4242, "bob", "python3"), Denied(7, "root", "cron"))),)
+
+    def decide(spec: OccupySpec, now: float, running: bool, state: Optional[PolicyState] = None):
+        c = config(spec, str(tmp_path))
+        run = (Running(key=f"occupy@{g.uuid}", pid=1, started_at=0.0) for g in gpus) if running else ()
+        snap = Snapshot(now=now, reading=GpuReading(gpus), unseen_opens=opened, running=tuple(run))
+        return policy.decide(c, policy.resolve(c, gpus), snap, state or PolicyState())
+
+    polite = OccupySpec(polite=True, wait_minutes=1.0)
+    d = decide(polite, 1000.0, running=True)
+    reason = d.verdicts["GPU-0"].reasons[0]
+    assert words.reason(reason) == (
+        "opened by a process whose files cannot be read here (bob python3[4242], or one of 1 others)"
+    )
+    assert reason.kind in gpustate.FOREIGN_REASONS  # an urgent stop, counted as foreign use
+    assert {a.key for a in d.actions if isinstance(a, Stop)} == {"occupy@GPU-0", "occupy@GPU-1"}
+    d = decide(polite, 1059.0, running=False)
+    assert d.verdicts["GPU-0"].busy and not d.verdicts["GPU-1"].busy
+    d = decide(polite, 1060.0, running=False, state=d.state)  # the wait after it, counted from now
+    assert not d.verdicts["GPU-0"].busy and d.waiting["occupy@GPU-0"].until == 1120.0
+    assert not any(isinstance(a, Start) for a in decide(polite, 1119.0, False, d.state).actions)
+    assert any(isinstance(a, Start) for a in decide(polite, 1120.0, False, d.state).actions)
+    ignoring = OccupySpec(polite=True, wait_minutes=1.0, ignore_users=["bob", "root"])
+    assert not decide(ignoring, 1000.0, running=False).verdicts["GPU-0"].busy
+    wait_zero = OccupySpec(polite=True, wait_minutes=0.0, refresh_minutes=0.05)  # still until the next look
+    assert decide(wait_zero, 1002.9, running=False).verdicts["GPU-0"].busy
+    assert not decide(wait_zero, 1003.0, running=False).verdicts["GPU-0"].busy
+
+    from gpu_mon import config as cfg
+
+    daemon = cfg.parse("[gpu-all]\ngpus = ALL\n[process-m]\ncmd = m\nuser = root\n", "/t.conf")
+    snap = Snapshot(now=1000.0, reading=GpuReading(gpus), unseen_opens=opened)
+    assert not policy.decide(daemon, policy.resolve(daemon, gpus), snap, PolicyState()).verdicts["GPU-0"].busy

@@ -93,6 +93,17 @@ class Denied:
 
 
 @dataclass(frozen=True)
+class UnseenOpen:
+    """An open of a GPU's node that no process whose files we can read explains, while processes whose
+    files we cannot read (another user's, to a plain user) had just started or changed their open files:
+    one of them (`by`) opened it."""
+
+    uuid: str
+    at: float  # monotonic seconds of the open
+    by: Tuple[Denied, ...]
+
+
+@dataclass(frozen=True)
 class TtyUser:
     """The owner of a terminal device and how long since it was last touched."""
 
@@ -138,6 +149,7 @@ class Snapshot:
     # NVML processes of every GPU with their owners resolved (pid -> holder-like record), see observe.py
     nvml_procs: Tuple[Holder, ...] = ()
     node_errors: Tuple[Tuple[str, str], ...] = ()  # (uuid, why its device node cannot be watched)
+    unseen_opens: Tuple[UnseenOpen, ...] = ()  # the latest one of each GPU
 
     def gpu(self, uuid: str) -> Optional[Gpu]:
         """The GPU with this UUID in this look, or None."""

@@ -49,6 +49,9 @@ class Observer:
         # (mode, seconds) of each holder scan since take_scan_times (the latest 256: nobody may take them)
         self.scan_times: Deque[Tuple[str, float]] = collections.deque(maxlen=256)
         self.denied_pids: Tuple[int, ...] = ()
+        # Log each process whose files cannot be read (off where a caller says once what it cannot see)
+        self.warn_denied = True
+        self.after_scan: Optional[Callable[[], None]] = None  # called at the end of every scan
         self._denied_logged: Set[int] = set()
         self._starts: Dict[int, int] = {}
         self._ancestors: Set[int] = set()
@@ -124,7 +127,7 @@ class Observer:
         denied = tuple(p for p in result.denied if p not in self._ancestors)
         self.denied_pids = denied
         new_denied = set(denied) - self._denied_logged
-        if new_denied:
+        if new_denied and self.warn_denied:
             log.warning(
                 "cannot read the open files of %d process(es) (e.g. pid %d): GPUs count as busy while they "
                 "run, unless a [gpu-*] section ignores them (ignore_programs, ignore_users)%s",
@@ -133,6 +136,8 @@ class Observer:
                 "" if os.geteuid() == 0 else "; run gpu-mon as root to see every process",
             )
             self._denied_logged |= new_denied
+        if self.after_scan is not None:
+            self.after_scan()
 
     def is_ours(self, pid: int, sid: int, ours: Set[int]) -> bool:
         """In the session of one of our workloads, or a descendant of gpu_mon (which covers escapees)."""

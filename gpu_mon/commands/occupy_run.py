@@ -114,10 +114,28 @@ def serve(args: argparse.Namespace) -> int:
         log.info(
             "occupy: %s mode, %s; waits for %g min of free GPUs", spec.mode, spec.what, spec.wait_minutes
         )
+        if os.geteuid() != 0:
+            daemon.observer.warn_denied = False  # said once here, not for every process
+            log.warning("occupy: %s", plain_user_sight(spec))
         return daemon.run()
     finally:
         with_removed(record)
         held.release()
+
+
+def plain_user_sight(spec: OccupySpec) -> str:
+    """What an occupier that is not root sees of other users, and what that means for its mode."""
+    sees = (
+        "not root: other users' processes are seen only through NVML (their contexts and memory) and by "
+        "their opens of the GPUs' device nodes, never by the descriptors they hold"
+    )
+    if not spec.polite:
+        return f"{sees}; hold mode keeps the GPUs whatever they do"
+    return (
+        f"{sees}; an open that none of your processes explains counts as theirs: the GPUs are given back "
+        f"at once and count as busy for --wait-minutes after it (a process that holds a node without a "
+        f"context is not seen after its open)"
+    )
 
 
 def _stdin_to_devnull() -> None:

@@ -27,6 +27,7 @@ from gpu_mon.engine.decisions import Decision, PolicyState, Preemption, Start, S
 from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.idlecommand import IdleCommands
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
+from gpu_mon.engine.openers import Openers
 from gpu_mon.engine.opens import OpenWatch
 from gpu_mon.engine.reload import Reloader
 from gpu_mon.engine.workloads import cgroups, linux, stopping
@@ -63,6 +64,8 @@ class Daemon:
         self.loop.listeners.extend(listeners)
         self.observer = Observer(backend, wall=wall)
         self.opens = OpenWatch(self.observer)
+        self.openers = Openers(self.observer)
+        self.observer.after_scan = lambda: self.openers.scanned(self.opens.pending())
         self.supervisor = Supervisor(self.loop.selector, stopping.rule_for(None, config.defaults))
         self.reloader = Reloader(self.loop.poke)
         self.idle: Optional[DaemonSentinel] = None
@@ -252,7 +255,11 @@ class Daemon:
         process that explained it may be a child that inherited the descriptor from the real opener.
         """
         uuids = {self.observer.watch_targets().get(path) for path in opened}
-        if self._explained("changed", uuids):
+        before = self.openers.before()
+        explained = self._explained("changed", uuids)
+        for uuid in self.openers.note(uuids, before, now):  # a process we cannot read opened it: at once
+            log.debug("open of %s by a process whose files cannot be read", uuid)
+        if explained:
             self._round(now, scan=None)
             # Explained by *a* new holder, which may only have inherited the descriptor (a fork) while the
             # opener swapped one in place and went unseen: confirm with a full scan soon.
@@ -294,7 +301,10 @@ class Daemon:
         tty = self.config.tty
         snap = self.observer.snapshot(now, self.supervisor.sessions(), tty.devices if tty.enabled else None)
         return dataclasses.replace(
-            snap, running=self.supervisor.running(), exited=self.supervisor.take_exits()
+            snap,
+            running=self.supervisor.running(),
+            exited=self.supervisor.take_exits(),
+            unseen_opens=tuple(self.openers.unseen.values()),
         )
 
     def _round(self, now: float, scan: Optional[str]) -> None:

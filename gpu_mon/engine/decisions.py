@@ -123,6 +123,8 @@ class Busy:
     HOLDER = "holds_node"  # who holds it open; path: the node as that process opened it
     CONTEXT = "nvml_context"  # who (None: not visible here), pid, context (compute/graphics), mib
     MEMORY = "memory_by_others"  # mib used by others, limit_mib = busy_memory_mib
+    # its node opened by a process whose files cannot be read: who, the first that may have; count: how many
+    UNSEEN = "unseen_open"
 
 
 @dataclass(frozen=True)

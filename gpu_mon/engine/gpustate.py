@@ -12,7 +12,8 @@ from typing import Dict, Iterable, Optional, Tuple
 from gpu_mon.engine.decisions import Busy, Decision, Verdict
 
 STATES = ("harvesting", "foreign", "idle", "paused", "unknown")
-FOREIGN_REASONS = (Busy.HOLDER, Busy.CONTEXT, Busy.MEMORY)  # someone else uses it (not: unreadable)
+# someone else uses it (not: unreadable)
+FOREIGN_REASONS = (Busy.HOLDER, Busy.CONTEXT, Busy.MEMORY, Busy.UNSEEN)
 
 
 def gpu_state(verdict: Optional[Verdict], running: Optional[str], paused: bool) -> Tuple[str, str]:

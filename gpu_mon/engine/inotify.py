@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import struct
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -81,6 +82,10 @@ class Inotify:
                 elif mask & IN_OPEN and path is not None:
                     opened.append(path)
         return opened, renew
+
+    def pending(self) -> bool:
+        """Whether events wait to be read (without reading them)."""
+        return self.fd >= 0 and bool(select.select([self.fd], [], [], 0)[0])
 
     def close(self) -> None:
         """Close the inotify fd (dropping all watches)."""

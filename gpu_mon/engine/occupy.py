@@ -3,8 +3,9 @@ config, so it waits, yields, contains and restarts exactly as the daemon does. P
 
 - waiting: every target GPU free (no foreign holder the user can see, no foreign NVML context, memory used
   by others at most --mem-threshold) for --wait-minutes in a row: the daemon's start delay. A GPU that
-  cannot be read is busy. Processes of other users, whose files a plain user cannot read, do not count:
-  what they do on a GPU shows in NVML's process list and memory.
+  cannot be read is busy. Processes of other users, whose files a plain user cannot read, do not count by
+  themselves: what they do on a GPU shows in NVML's process list and memory, and their opens of a GPU's
+  node as unseen opens (engine/openers.py), which make it busy for the start delay.
 - occupying: one stressor per GPU (`per_gpu`, started together), or CMD once with all the GPUs.
 - hold (the default, as the original) never gives a GPU back; --yield stops everything as soon as anyone
   else uses one of the GPUs, waits again, and takes them back.

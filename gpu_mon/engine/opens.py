@@ -1,5 +1,7 @@
 """Opens of GPU nodes as events: inotify IN_OPEN watches on every node the observer names (each GPU's
-device node, and the nodes of other mount namespaces that a scan found holding one)."""
+device node, and the nodes of other mount namespaces that a scan found holding one).
+
+The kernel says that a node was opened, not by whom: openers.py works that out."""
 
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ class OpenWatch:
         self.opened.update(opened)
         if renew:
             self.rewatch()
+
+    def pending(self) -> bool:
+        """Whether events wait to be read (an open happened since the last read)."""
+        return self.inotify is not None and self.inotify.pending()
 
     def take(self) -> Set[str]:
         """The paths opened since the last take."""

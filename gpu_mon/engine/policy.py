@@ -200,16 +200,36 @@ def _nvml_reasons(uuid: str, rules: GpuSection, snap: Snapshot) -> List[Reason]:
     return reasons
 
 
+def _unseen_reasons(uuid: str, rules: GpuSection, snap: Snapshot, seconds: float) -> List[Reason]:
+    """An open of the node within `seconds` that only a process whose files we cannot read may have made
+    (where those do not count as busy anyway: a plain user's `occupy`)."""
+    if rules.unreadable_is_busy:
+        return []  # every such process already makes the GPU busy (Busy.HIDDEN)
+    for o in snap.unseen_opens:
+        if o.uuid != uuid or snap.now - o.at >= seconds:
+            continue
+        by = [d for d in o.by if not ignored_name(d.name, d.user, rules)]
+        if by:
+            return [Reason(Busy.UNSEEN, who=Who(by[0].user, by[0].name, by[0].pid), count=len(by))]
+    return []
+
+
 def gpu_verdict(
-    uuid: str, rules: GpuSection, snap: Snapshot, first_seen: Mapping[tuple, float]
+    uuid: str,
+    rules: GpuSection,
+    snap: Snapshot,
+    first_seen: Mapping[tuple, float],
+    unseen_seconds: float = 0.0,
 ) -> Tuple[bool, List[Reason]]:
-    """Busy or free, with reasons, for one GPU. Unsure means busy."""
+    """Busy or free, with reasons, for one GPU. Unsure means busy. An unseen open counts for
+    `unseen_seconds` after it."""
     if snap.reading.error:
         return True, [Reason(Busy.BACKEND, detail=snap.reading.error)]
     if snap.gpu(uuid) is None:
         return True, [Reason(Busy.MISSING)]
     reasons = _unsure(uuid, snap, rules)
     reasons += _holder_reasons(uuid, rules, snap, first_seen)
+    reasons += _unseen_reasons(uuid, rules, snap, unseen_seconds)
     reasons += _nvml_reasons(uuid, rules, snap)
     return bool(reasons), reasons
 
@@ -245,8 +265,19 @@ def _first_seen(snap: Snapshot, old: Mapping[tuple, float]) -> Dict[tuple, float
     }
 
 
+def unseen_seconds(config: Config) -> float:
+    """How long an unseen open keeps a GPU busy: the start delay, and at least until the next poll (the
+    opener may hold the node for long, and NVML shows it only once it makes a context)."""
+    d = config.defaults
+    return max(d.start_delay_seconds, d.interval_seconds)
+
+
 def _verdicts(
-    plan: Plan, snap: Snapshot, first_seen: Mapping[tuple, float], free_since: Dict[str, float]
+    plan: Plan,
+    snap: Snapshot,
+    first_seen: Mapping[tuple, float],
+    free_since: Dict[str, float],
+    unseen_for: float = 0.0,
 ) -> Dict[str, Verdict]:
     """A verdict for every GPU (watched ones remember since when they are free: `free_since` is updated)."""
     verdicts: Dict[str, Verdict] = {}
@@ -255,7 +286,7 @@ def _verdicts(
             busy, reasons = gpu_verdict(gpu.uuid, _UNWATCHED_RULES, snap, first_seen)
             verdicts[gpu.uuid] = Verdict(gpu.uuid, busy, tuple(reasons))
     for uuid, rules in plan.rules.items():
-        busy, reasons = gpu_verdict(uuid, rules, snap, first_seen)
+        busy, reasons = gpu_verdict(uuid, rules, snap, first_seen, unseen_for)
         if busy:
             free_since.pop(uuid, None)
         else:
@@ -268,7 +299,7 @@ def decide(config: Config, plan: Plan, snap: Snapshot, state: PolicyState) -> De
     """What to start and stop now, and why. Pure: the inputs are not changed."""
     first_seen = _first_seen(snap, state.first_seen)
     free_since = dict(state.free_since)
-    verdicts = _verdicts(plan, snap, first_seen, free_since)
+    verdicts = _verdicts(plan, snap, first_seen, free_since, unseen_seconds(config))
     backoff = dict(state.backoff)
     events = []
     for ex in snap.exited:

@@ -48,6 +48,9 @@ def reason(r: Reason) -> str:
         return f"cannot see the open files of {who(r.who)}{more}, which may hold it"
     if r.kind == Busy.HOLDER and r.who is not None:
         return f"{who(r.who)} holds {sanitize(r.path or 'its device node')}"
+    if r.kind == Busy.UNSEEN and r.who is not None:
+        more = f", or one of {r.count - 1} others" if r.count > 1 else ""
+        return f"opened by a process whose files cannot be read here ({who(r.who)}{more})"
     if r.kind == Busy.CONTEXT:
         return _context(r)
     if r.kind == Busy.MEMORY:
