@@ -163,7 +163,7 @@ def test_without_a_daemon_status_says_so_and_counts_nothing_down(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "no daemon: a single look" in r.stdout
-    assert "s left" not in r.stdout and "start delay" not in r.stdout
+    assert "s left" not in r.stdout and "start delay" not in r.stdout and "free for" not in r.stdout
     assert "not running: no daemon (its GPUs are free now)" in r.stdout
 
 

@@ -249,7 +249,10 @@ def _owner(terminal: dict) -> int:
 
 
 def no_countdowns(doc: dict) -> dict:
-    """Without a daemon nothing counts a start delay down: say so instead of a timer."""
+    """Without a daemon nothing counts: a free GPU is just free (not "free for 0 s"), and a workload whose
+    GPUs are free is not running, with no start delay ticking."""
+    for g in doc.get("gpus") or []:
+        g["free_since_wall"] = None
     for w in doc.get("workloads") or []:
         if w.get("state") == "waiting" and w.get("why", "").startswith("waiting: start delay"):
             w["state"], w["why"] = "not running", "not running: no daemon (its GPUs are free now)"
