@@ -144,7 +144,12 @@ def main() -> int:
                 print((work / "daemon.log").read_text()[-3000:])
                 return 1
             script = FOREIGN_LIBCUDA if a.foreign == "libcuda" else FOREIGN
-            foreign = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+            foreign = subprocess.Popen(  # CUDA's device 0 is NVML's GPU 0 in PCI bus order
+                [sys.executable, "-c", script],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID"),
+            )
             ours_mib = sum(p.used_memory_mib or 0 for p in gpu0(backend).processes or () if p.pid in ours)
             released_at: Optional[int] = None  # our pid gone from NVML's process list
             freed_at: Optional[int] = None  # NVML memory used down by 90% of what our process held

@@ -98,9 +98,10 @@ def test_watch_stops_an_idle_torch_job(record_property):
 
 @pytest.mark.gpu
 def test_watch_never_stops_a_busy_torch_job(record_property):
-    """A window of 3 samples after 2 delay samples: 5 s; watched for 4 such windows (quick: 2)."""
+    """20 delay samples a second apart (torch starts meanwhile: until it holds the GPU, the tree is idle),
+    then a window of 3 samples; once the job computes, watched for 20 s (quick: 10)."""
     observe = gpujobs.repeats(10, 20)
-    proc, marker = _watch(gpujobs.BUSY, "-s", "1", "-n", "3", "-d", "2")
+    proc, marker = _watch(gpujobs.BUSY, "-s", "1", "-n", "3", "-d", "20")
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         start = time.monotonic()

@@ -15,6 +15,8 @@ def test_idle_gpu_memory_v2_reports_the_reserve_apart(record_property):
         if reader.processes():
             pytest.skip(f"GPU 0 is not idle: NVML lists {sorted(reader.processes())}")
         pynvml = reader.nvml
+        if not hasattr(pynvml, "nvmlMemory_v2"):
+            pytest.skip("these NVML bindings have no memory info v2 (nvidia-ml-py 11.515 or later has)")
         v1_used = pynvml.nvmlDeviceGetMemoryInfo(reader.handle).used / MIB
         v2 = pynvml.nvmlDeviceGetMemoryInfo(reader.handle, version=pynvml.nvmlMemory_v2)
     backend = NvmlBackend()

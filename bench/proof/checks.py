@@ -352,7 +352,7 @@ CHECKS: List[Check] = [
         "`watch` on torch jobs",
         "stops the whole tree when its GPUs stay idle for the window and exits 124; a busy command runs on",
         "idle: exit 124 within a sample (+2 s start-up) of the window's end, nothing left; busy: not stopped",
-        (50, 60),
+        (50, 75),
         judge=tested(watch),
         **tests(
             "watch",
@@ -366,7 +366,7 @@ CHECKS: List[Check] = [
         "`on` holds the GPUs once idle, `off` stops everything it started; --yield gives them back the "
         "moment anyone else uses one (10 of 10 foreign jobs allocate half without out-of-memory; 3 quick)",
         "no out-of-memory; memory freed within 5 s of `off`; held within its wait + 60 s",
-        (85, 240),
+        (85, 225),
         judge=tested(occupy),
         **tests("occupy", "test_gpu_occupy.py"),
     ),
