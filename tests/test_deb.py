@@ -4,19 +4,22 @@ runs and purges cleanly on this machine.
 Building needs the build dependencies (build-deb installs them with apt-get when run as root). The install
 tests change the machine (apt-get install, then purge), so they run only as root: elsewhere they fail
 with a message saying so. They leave the machine as found, except for the Debian packages apt pulled in
-as dependencies.
+as dependencies: gpu-mon's own paths that exist before (a pip install's /etc/gpu_mon.conf, its history)
+are moved out of the package's way, since a purge deletes them, and put back after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import shutil
 import stat
 import subprocess
 import tarfile
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import pytest
 
@@ -32,6 +35,9 @@ ENABLE_LINK = Path("/etc/systemd/system/multi-user.target.wants/gpu-mon.service"
 SYSTEM_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 APT_ENV = dict(SYSTEM_ENV, DEBIAN_FRONTEND="noninteractive")
 APT_GET = ["apt-get", "-o", "DPkg::Lock::Timeout=300"]  # wait for another apt/dpkg run instead of failing
+# What the package installs or its purge deletes, and a pip install may already have.
+OWN_PATHS = ("/etc/gpu_mon.conf", "/var/lib/gpu_mon", "/var/log/gpu-mon")
+ASIDE = ".before-test-deb"
 
 
 def _run(
@@ -187,6 +193,47 @@ def test_maintainer_scripts_enable_but_never_start(control_files: Dict[str, str]
 # ---------------------------------------------------------------------------------------- installing
 
 
+@contextlib.contextmanager
+def set_aside(paths: Sequence[str]) -> Iterator[None]:
+    """Rename each existing path to PATH.before-test-deb (same directory: content, owner, modes and times
+    stay as they are) for the block, then remove whatever the block left at PATH and rename it back."""
+    for path in paths:
+        if os.path.lexists(path + ASIDE):
+            pytest.fail(f"{path + ASIDE} exists (an interrupted run?): put it back first", pytrace=False)
+    moved = []
+    try:
+        for path in paths:
+            if os.path.lexists(path):
+                os.rename(path, path + ASIDE)
+                moved.append(path)
+        yield
+    finally:
+        for path in moved:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+            os.rename(path + ASIDE, path)
+
+
+def test_set_aside_puts_back_what_was_there(tmp_path: Path) -> None:
+    conf, state, absent = tmp_path / "gpu_mon.conf", tmp_path / "lib", tmp_path / "log"
+    conf.write_text("mine\n")
+    state.mkdir()
+    (state / "history.sqlite").write_bytes(b"rows")
+    before = {p: os.lstat(p) for p in (conf, state, state / "history.sqlite")}
+    with set_aside([str(conf), str(state), str(absent)]):
+        assert not conf.exists() and not state.exists()
+        conf.write_text("the package's\n")  # what an install and a purge may leave
+        absent.mkdir()
+    assert conf.read_text() == "mine\n" and (state / "history.sqlite").read_bytes() == b"rows"
+    for path, st in before.items():
+        after = os.lstat(path)
+        assert (after.st_ino, after.st_mode, after.st_mtime_ns) == (st.st_ino, st.st_mode, st.st_mtime_ns)
+    assert absent.is_dir()  # not there before, so not the block's to remove: the purge's test checks it
+    assert not list(tmp_path.glob("*" + ASIDE))
+
+
 @pytest.fixture(scope="module")
 def installed(deb: Path) -> Iterator[str]:
     """Install the package with apt (pulling its Debian dependencies); purge it afterwards."""
@@ -202,16 +249,17 @@ def installed(deb: Path) -> Iterator[str]:
             "purge it afterwards",
             pytrace=False,
         )
-    result = _run([*APT_GET, "install", "-y", str(deb)], timeout=900, env=APT_ENV)
-    try:
-        assert result.returncode == 0, (
-            f"apt-get install failed:\n{result.stdout[-6000:]}{result.stderr[-6000:]}"
-        )
-        yield result.stdout + result.stderr
-    finally:
-        if _installed_status():
-            purge = _run([*APT_GET, "purge", "-y", "gpu-mon"], timeout=600, env=APT_ENV)
-            assert purge.returncode == 0, f"apt-get purge failed:\n{purge.stdout}{purge.stderr}"
+    with set_aside(OWN_PATHS):
+        result = _run([*APT_GET, "install", "-y", str(deb)], timeout=900, env=APT_ENV)
+        try:
+            assert result.returncode == 0, (
+                f"apt-get install failed:\n{result.stdout[-6000:]}{result.stderr[-6000:]}"
+            )
+            yield result.stdout + result.stderr
+        finally:
+            if _installed_status():
+                purge = _run([*APT_GET, "purge", "-y", "gpu-mon"], timeout=600, env=APT_ENV)
+                assert purge.returncode == 0, f"apt-get purge failed:\n{purge.stdout}{purge.stderr}"
 
 
 def test_installed_command_runs(installed: str) -> None:
