@@ -209,7 +209,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     run.become_subreaper()
     run.catch_signals()
-    return prove(checks, ctx, nvml)
+    try:
+        return prove(checks, ctx, nvml)
+    except run.Interrupted as sig:  # outside a check: while describing the host or at the last NVML look
+        run.sweep()
+        print(f"gpu_proof.py: interrupted ({sig}); what was measured is in {ctx.out}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -173,8 +173,8 @@ def handoff(need_margin: bool) -> Callable[[Figures], Judged]:
         held = statistics.median(t["ours_mib"] for t in trials) / 1024
         measured = (
             f"{ooms}/{len(trials)} out of memory ({f.get('memory')} held, {held:.1f} GiB); memory freed "
-            f"{_p50_p99(freed)} ms after the foreign cuInit; foreign ready to allocate "
-            f"{_p50(ready)} ms (p50); smallest margin "
+            f"{spread(freed, ' ms')} after the foreign cuInit, p99 {_p99(freed)}; foreign ready to "
+            f"allocate {spread(ready, ' ms')}; smallest margin "
             + ("not freed in one trial" if margin is None else f"{margin:.0f} ms")
         )
         ok = ooms == 0 and (not need_margin or (margin is not None and margin > 0))
@@ -183,14 +183,8 @@ def handoff(need_margin: bool) -> Callable[[Figures], Judged]:
     return judge
 
 
-def _p50_p99(values: Sequence[float]) -> str:
-    return (
-        f"{statistics.median(values):.0f} / {percentile(values, 99):.0f} (p50 / p99)" if values else "never"
-    )
-
-
-def _p50(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):.0f}" if values else "?"
+def _p99(values: Sequence[float]) -> str:
+    return f"{percentile(values, 99):.0f} ms" if values else "none"
 
 
 def stress(f: Figures) -> Judged:
@@ -198,8 +192,8 @@ def stress(f: Figures) -> Judged:
     if not rows:
         return FAILED, "the benchmark wrote no rows"
     parts = [
-        f"{dtype} {r['ratio']:.3f} ({statistics.median(r['ours_tflops']):.0f} / "
-        f"{statistics.median(r['plain_tflops']):.0f} TFLOP/s)"
+        f"{dtype} {r['ratio']:.3f} of plain (ours {spread(r['ours_tflops'])}, plain "
+        f"{spread(r['plain_tflops'])} TFLOP/s)"
         for dtype, r in figures.get("rates", {}).items()
     ]
     memory = figures.get("memory")
