@@ -118,6 +118,8 @@ def measure(check: Check, ctx: Context, env: Dict[str, str]) -> Dict[str, Any]:
     """Run one check; its record entry."""
     budget = check.seconds(ctx.quick)
     argv = check.argv(ctx)
+    for ext in ("json", "xml"):  # an earlier run's figures in a reused --out are not this run's
+        ctx.raw(check.name, ext).unlink(missing_ok=True)
     outcome = run.run(argv, budget, ctx.out / "logs" / f"{check.name}.log", env, ROOT)
     return {
         "name": check.name,
