@@ -8,12 +8,14 @@ variables do nothing for it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
@@ -22,6 +24,7 @@ from conftest import GPU_MON, SimHost, kill_marked, nobody_host, wait_for, write
 from gpu_mon import config
 from gpu_mon.api import occupiers, procfs
 from gpu_mon.commands.occupy_limits import Refusal, Who, refusal
+from gpu_mon.engine.holdlimit import HoldLimit
 
 FAST = ["--wait-minutes", "0.02", "--refresh-minutes", "0.002"]
 
@@ -183,6 +186,30 @@ def test_max_hold_hours_gives_the_gpus_back_and_exits_saying_why(occ):
     )
     assert "[occupy] max_hold_hours in " + str(occ.system) in log
     wait_for(lambda: not any(_marked(m) for m in occ.markers), what="the CMD stopped")
+
+
+def test_the_hold_limit_counts_from_the_first_hold_and_ends_once(caplog):
+    now = [100.0]
+    ended: List[float] = []
+    limit = HoldLimit(0.5, "/etc/gpu_mon.conf", lambda: ended.append(now[0]), clock=lambda: now[0])
+    limit.on_round(SimpleNamespace(workloads=()))  # type: ignore[arg-type]
+    assert limit.deadline() is None  # waiting: nothing held yet
+    now[0] = 200.0
+    limit.on_round(SimpleNamespace(workloads=({"stopping": False},)))  # type: ignore[arg-type]
+    assert limit.deadline() == 200.0 + 1800
+    limit.on_round(SimpleNamespace(workloads=()))  # type: ignore[arg-type]  # yielded: the time still runs
+    now[0] = 1999.0
+    limit.on_event("alive")
+    assert ended == []
+    now[0] = 2000.0
+    with caplog.at_level(logging.INFO, logger="gpu_mon"):
+        limit.on_event("alive")
+        limit.on_event("alive")
+    assert ended == [2000.0] and limit.deadline() is None
+    assert (
+        "held the GPUs for 0.5 h, the most the admin allows ([occupy] max_hold_hours in /etc/gpu_mon.conf)"
+        in (caplog.text)
+    )
 
 
 def _marked(marker: str) -> bool:
