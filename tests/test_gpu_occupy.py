@@ -29,7 +29,9 @@ class Occupier:
         self.env = gpujobs.real_env(XDG_STATE_HOME=str(tmp_path / "state"))
 
     def __call__(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-        argv = [*GPU_MON, "occupy", *args[:1], "--config", str(self.config), *args[1:]]
+        """`occupy ARGS`; `on` with the config (the other subcommands read none)."""
+        config = ["--config", str(self.config)] if args[0] == "on" else []
+        argv = [*GPU_MON, "occupy", args[0], *config, *args[1:]]
         return subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout)
 
 
