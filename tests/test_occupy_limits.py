@@ -124,6 +124,16 @@ def test_the_shipped_config_documents_every_occupy_key_at_its_default():
     assert found is not None and found == config.OccupySection(line=1)  # at the defaults: no limits
 
 
+def test_a_reload_names_the_occupy_section():
+    from gpu_mon.engine import reload
+
+    old = config.parse("[gpu-all]\ngpus = ALL\n")
+    new = config.parse("[gpu-all]\ngpus = ALL\n[occupy]\nmax_gpus_per_user = 1\n")
+    assert str(reload.changes(old, new)) == "added: [occupy]"
+    other = config.parse("[gpu-all]\ngpus = ALL\n\n[occupy]\nmax_gpus_per_user = 2\n")
+    assert str(reload.changes(new, other)) == "changed: [occupy]"
+
+
 def test_who_is_refused_and_why():
     lists = config.OccupySection(users=("alice",), groups=("gpu",))
     assert refusal(lists, Who("bob", 1001, frozenset({"bob"})), 1, 0) == Refusal("users")

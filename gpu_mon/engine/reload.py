@@ -82,7 +82,7 @@ def _sections(config: Config) -> Dict[str, object]:
     found: Dict[str, object] = {"defaults": config.defaults, "tty": config.tty, "history": config.history}
     found.update((f"gpu-{g.name}", g) for g in config.gpu_sections)
     found.update((f"process-{p.name}", p) for p in config.processes)
-    for name in ("sentinel", "metrics"):
+    for name in ("sentinel", "metrics", "occupy"):
         if getattr(config, name) is not None:
             found[name] = getattr(config, name)
     return {name: unplaced(section) for name, section in found.items()}
