@@ -138,7 +138,8 @@ def test_a_change_behind_a_failing_teardown_still_fails_the_run(tmp_path, guarde
     code, out = run_guarded(tmp_path, guarded, test_broken=broken)
     assert code == 1, out
     assert "RuntimeError: teardown broke" in out, out
-    assert f"the tests changed the machine: changed {guarded[0]}; created {guarded[0] / 'left.db'}" in out, out
+    left = guarded[0] / "left.db"
+    assert f"the tests changed the machine: changed {guarded[0]}; created {left}" in out, out
 
 
 def test_the_guard_watches_the_real_paths_by_default(monkeypatch):
