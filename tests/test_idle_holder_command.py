@@ -156,3 +156,23 @@ def test_config_splits_the_command_like_cmd_and_reports_a_bad_one_at_its_line():
         parse("[gpu-all]\ngpus = ALL\n\nidle_holder_command = tell 'open\n", path="x.conf")
     (error,) = info.value.errors
     assert error.startswith("x.conf:4: [gpu-all] idle_holder_command: cannot split"), error
+
+
+def test_check_warns_at_the_key_when_the_command_is_not_there(tmp_path, sim):
+    from conftest import GPU_MON, write_config
+
+    body = "[gpu-all]\ngpus = ALL\n\nidle_holder_command = no-such-mailer-here -v\n"
+    conf = write_config(tmp_path / "c.conf", body)
+    r = subprocess.run(
+        [*GPU_MON, "--config", str(conf), "--sim", str(sim.path), "check"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr  # a warning: the daemon runs, and says so when an episode starts
+    assert (
+        f"warning: {conf}:4: [gpu-all] idle_holder_command: 'no-such-mailer-here' is not on its PATH"
+        in r.stderr
+    )
+    write_config(conf, "[gpu-all]\ngpus = ALL\nidle_holder_command = /bin/true\n")
+    r = subprocess.run(
+        [*GPU_MON, "--config", str(conf), "--sim", str(sim.path), "check"], capture_output=True, text=True
+    )
+    assert "idle_holder_command" not in r.stderr

@@ -9,8 +9,9 @@ from typing import Callable, List, Tuple
 
 from gpu_mon.api import holders
 from gpu_mon.commands import base, statedir
-from gpu_mon.config import Config, ConfigError, ProcessSection, line_of, sort_by_line
+from gpu_mon.config import Config, ConfigError, GpuSection, ProcessSection, line_of, sort_by_line
 from gpu_mon.engine import policy
+from gpu_mon.engine.idle import ACTION_PATH
 from gpu_mon.engine.workloads.supervisor import workload_env
 
 
@@ -19,6 +20,8 @@ def host_warnings(config: Config) -> List[str]:
     warnings: List[str] = []
     for p in config.processes:
         warnings.extend(_process_warnings(config.path, p))
+    for g in config.gpu_sections:
+        warnings.extend(_idle_command_warnings(config.path, g))
     if os.geteuid() != 0:
         warnings.append(
             "not running as root: processes of other users cannot be inspected, so the daemon "
@@ -43,6 +46,20 @@ def _process_warnings(path: str, p: ProcessSection) -> List[str]:
     if p.log and not os.path.isdir(os.path.dirname(p.log) or "/"):
         found.append(("log", f"the directory of {p.log!r} does not exist"))
     return [f"{path}:{line_of(p, key)}: [process-{p.name}] {key}: {what}" for key, what in found]
+
+
+def _idle_command_warnings(path: str, g: GpuSection) -> List[str]:
+    """A [gpu-*] section's idle_holder_command that will not run: at the line of the key."""
+    if not g.idle_holder_command:
+        return []
+    exe = g.idle_holder_command[0]
+    where = f"{path}:{line_of(g, 'idle_holder_command')}: [gpu-{g.name}] idle_holder_command"
+    if "/" in exe:  # (it runs in /)
+        ok = os.access(os.path.join("/", exe), os.X_OK)
+        return [] if ok else [f"{where}: {exe!r} is not an executable file"]
+    if shutil.which(exe, path=ACTION_PATH) is None:
+        return [f"{where}: {exe!r} is not on its PATH ({ACTION_PATH}); use a full path"]
+    return []
 
 
 def metrics_problems(config: Config) -> List[str]:
