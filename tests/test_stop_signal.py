@@ -260,7 +260,7 @@ def test_a_second_sigterm_skips_every_step_to_sigkill(tmp_path, sim, daemon_fact
     d = daemon_factory(body, defaults=LONG)  # a 20 s grace, then SIGTERM for 1 s
     d.wait_log(r"train\[\d+\]: deaf")
     d.signal(signal.SIGTERM)
-    d.wait_log("stopping: 1 workload")
+    d.wait_log(r"stopping on SIGTERM: 1 workload\(s\) to stop")
     d.signal(signal.SIGTERM)
     assert d.proc.wait(15) == 0
     line = d.wait_log(r"train\[\d+\] stopped by SIGKILL")[0]
