@@ -425,7 +425,7 @@ def test_plain_user_yield_gives_back_at_once_on_another_users_open(plain):
     r = plain("on", "--yield", "--wait-minutes", "0.02", "--refresh-minutes", "1", *plain.cmd(code))
     assert r.returncode == 0, r.stderr
     wait_for(lambda: out.exists() and marked(plain.marker), what="CMD running as nobody")
-    assert plain.state() == "occupying"
+    wait_for(lambda: plain.state() == "occupying", what="occupying")
     opener = other_user(foreign_opener_cmd(plain.sim.device(0)))
     try:
         assert opener.stdout is not None and opener.stdout.readline().strip() == b"open"
@@ -436,7 +436,7 @@ def test_plain_user_yield_gives_back_at_once_on_another_users_open(plain):
         assert stop, plain.log()
         m = wait_for(lambda: re.search(r"occupy\[\d+\] stopped in (\d+) ms", plain.log()), what="stop line")
         assert int(m.group(1)) < 2000, plain.log()  # type: ignore[union-attr]
-        assert plain.state() == "yielded"
+        wait_for(lambda: plain.state() == "yielded", what="yielded")
         assert "starting occupy" not in plain.log().split(stop.group(0), 1)[1]
     finally:
         opener.kill()

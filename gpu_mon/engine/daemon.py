@@ -65,7 +65,7 @@ class Daemon:
         self.observer = Observer(backend, wall=wall)
         self.opens = OpenWatch(self.observer)
         self.openers = Openers(self.observer)
-        self.observer.after_scan = lambda: self.openers.scanned(self.opens.pending())
+        self.observer.after_scan = lambda: self.openers.scanned(self.opens.pending)
         self.supervisor = Supervisor(self.loop.selector, stopping.rule_for(None, config.defaults))
         self.reloader = Reloader(self.loop.poke)
         self.idle: Optional[DaemonSentinel] = None

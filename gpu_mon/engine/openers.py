@@ -12,7 +12,7 @@ NVML to show the opener. Where every process is readable (root) there are none, 
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterable, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Optional, Set, Tuple
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Denied, UnseenOpen
@@ -30,12 +30,14 @@ class Openers:
         self.stirred: Set[int] = set()  # unreadable pids new or changed since the last quiet scan
         self.unseen: Dict[str, UnseenOpen] = {}  # uuid -> its latest unseen open
 
-    def scanned(self, opens_waiting: bool) -> None:
-        """After every scan: a quiet one becomes the baseline; otherwise note the unreadable that stirred."""
-        if opens_waiting:
+    def scanned(self, opens_waiting: Callable[[], bool]) -> None:
+        """After every scan: a quiet one becomes the baseline; otherwise note the unreadable that stirred.
+        Quiet is asked last: an open while the holders' descriptors are counted makes the scan not quiet."""
+        held = self._held() if self.observer.denied_pids else {}
+        if opens_waiting():
             self.stirred |= self._stirred_now()
             return
-        self.baseline = self._held() if self.observer.denied_pids else {}
+        self.baseline = held
         self.stirred = set()
 
     def before(self) -> Tuple[Held, Set[int]]:
