@@ -1,12 +1,13 @@
 """Who opened a GPU's node: the kernel's open event does not say, so it is worked out from the scans.
 
-An open is explained when a process whose files we can read holds more descriptors of the node than at the
-last *quiet* scan (one after which no open event was waiting: everything it read came before the open), a
-new holder included. A plain user cannot read other users' descriptors, but sees that their processes
-started or changed how many files they have open (stat of /proc/PID/fd is open to anyone). An open that no
-readable process explains, made while such processes had started or changed since the quiet scan, is one of
-theirs: an UnseenOpen, which the policy counts as someone else's use of the GPU at once, without waiting for
-NVML to show the opener. Where every process is readable (root) there are none, and nothing is counted.
+An open is explained when a process whose files we can read (gpu-mon itself too: NVML's descriptors) holds
+more descriptors of the node than at the last *quiet* scan (one after which no open event was waiting:
+everything it read came before the open), a new holder included. A plain user cannot read other users'
+descriptors, but sees that their processes started or changed how many files they have open (stat of
+/proc/PID/fd is open to anyone). An open that no readable process explains, made while such processes had
+started or changed since the quiet scan, is one of theirs: an UnseenOpen, which the policy counts as
+someone else's use of the GPU at once, without waiting for NVML to show the opener. Where every process is
+readable (root) there are none, and nothing is counted.
 """
 
 from __future__ import annotations
@@ -63,10 +64,14 @@ class Openers:
         return tuple(noted)
 
     def _held(self) -> Held:
-        targets, _problems = holders.device_targets(self.observer.reading.gpus)
+        """Readable holders' descriptors of each node, gpu-mon's own too (NVML's: no scan reads them)."""
+        observer = self.observer
+        targets, _problems = holders.device_targets(observer.reading.gpus)
         out: Held = {}
-        for h in self.observer.holders:
-            counts = _descriptors(h.pid, targets.keys, self.observer.proc)
+        for uuid, n in _descriptors(observer.own_pid, targets.keys, observer.proc).items():
+            out.setdefault(uuid, {})[(observer.own_pid, 0)] = n
+        for h in observer.holders:
+            counts = _descriptors(h.pid, targets.keys, observer.proc)
             for uuid in h.gpus:
                 out.setdefault(uuid, {})[(h.pid, h.start_ticks)] = max(1, counts.get(uuid, 0))
         return out
