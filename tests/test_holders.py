@@ -502,3 +502,16 @@ def test_a_memory_map_of_a_renamed_node_still_counts(tmp_path, devices, holding)
     s.set_targets(holders.device_targets(gpus_for(*devices))[0])
     wait_for(lambda: p.pid in s.full(maps=True).held, what="the mapping found on its maps turn")
     assert s.full(maps=True).held[p.pid] == {"GPU-1"}
+
+
+def test_a_replaced_node_outlives_a_look_where_its_gpu_could_not_be_read(devices, holding):
+    p = holding.start(devices[0])
+    s = scanner_for(*devices)
+    s.full()
+    _replace_node(devices[0])
+    s.set_targets(holders.device_targets(gpus_for(*devices))[0])
+    only_gpu1 = [Gpu(index=1, uuid="GPU-1", device=devices[1])]
+    s.set_targets(holders.device_targets(only_gpu1)[0])  # GPU 0 unreadable for a look
+    assert p.pid not in s.full().held
+    s.set_targets(holders.device_targets(gpus_for(*devices))[0])  # and back
+    assert s.full().held[p.pid] == {"GPU-0"}

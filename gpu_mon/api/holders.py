@@ -84,9 +84,11 @@ class _Retired:
         _keep(self.inodes, old.inodes, new.inodes, live, turn)
 
     def merged(self, given: Targets) -> Targets:
-        """The targets to match: the given ones, and the replaced nodes of the same GPUs."""
-        keys = {**{k: u for k, (u, _t) in self.keys.items()}, **given.keys}
-        inodes = {**{k: u for k, (u, _t) in self.inodes.items()}, **given.inodes}
+        """The targets to match: the given ones, and the replaced nodes of the GPUs among them (one that is
+        unreadable for a while keeps its replaced nodes for when it is back)."""
+        live = set(given.keys.values())
+        keys = {**{k: u for k, (u, _t) in self.keys.items() if u in live}, **given.keys}
+        inodes = {**{k: u for k, (u, _t) in self.inodes.items() if u in live}, **given.inodes}
         return Targets(keys, inodes)
 
     def prune(self, matched: Set[object], turn: int) -> bool:
@@ -104,8 +106,8 @@ def _keep(table: Dict, old: Dict, new: Dict, live: Set[str], turn: int) -> None:
     for key, uuid in old.items():
         if key not in new and uuid in live:
             table.setdefault(key, (uuid, turn))
-    for key in [k for k, (u, _t) in table.items() if k in new or u not in live]:
-        del table[key]  # in use again, or its GPU is gone
+    for key in [k for k in table if k in new]:
+        del table[key]  # a current node again
     while len(table) > _MAX_RETIRED:
         del table[next(iter(table))]
 
