@@ -191,7 +191,7 @@ def test_dry_run_never_stops(sim, watches):
     assert w.wait() == 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP])
 def test_signals_are_forwarded_to_the_whole_tree(sim, watches, sig):
     got = sim.dir / "got"
     # The command's child, in a session of its own, records the signal it gets and exits 5.

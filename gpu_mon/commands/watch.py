@@ -3,8 +3,9 @@ of samples, stop the whole tree and exit 124, like `timeout`. Otherwise exit wit
 
 CMD runs under the engine's workload leader (its own session, contained by a cgroup or the subreaper, so
 grandchildren that left its session are stopped too) with this terminal's stdin, stdout and stderr and our
-environment. SIGINT, SIGTERM and SIGHUP are forwarded to every process of the tree. A sample that cannot
-be read (NVML failure, unreadable /proc) counts as busy: a monitoring error never kills a command.
+environment. SIGINT, SIGTERM, SIGQUIT and SIGHUP are forwarded to every process of the tree (one log line
+names the signal), and `watch` exits with CMD's status. A sample that cannot be read (NVML failure,
+unreadable /proc) counts as busy: a monitoring error never kills a command.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gpu_mon.commands import base
 
 log = logging.getLogger("gpu_mon")
 EXIT_IDLE = 124
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
