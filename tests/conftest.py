@@ -431,6 +431,23 @@ def nobody_host(public_dir: Path) -> Tuple[SimHost, Path]:
     return sim, code_dir
 
 
+def run_as_nobody(
+    argv: List[str], env: Dict[str, str], cwd: str = "/", timeout: Optional[float] = 60
+) -> subprocess.CompletedProcess:
+    """Run argv as `nobody` (uid and gid 65534, no supplementary groups) with exactly env; output captured."""
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        user=65534,
+        group=65534,
+        extra_groups=[],
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+
+
 def read_reports(path: Path) -> List[Dict[str, object]]:
     """JSON lines written by tests/workload.py."""
     try:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GPU_MON, ROOT, UUIDS, SimHost, nobody_host, wait_for, write_config
+from conftest import GPU_MON, ROOT, UUIDS, SimHost, nobody_host, run_as_nobody, wait_for, write_config
 
 GOOD = "[gpu-all]\ngpus = ALL\n[process-m]\ncmd = /bin/true\nuser = root\n"
 
@@ -412,16 +412,9 @@ def test_a_plain_user_running_roots_config_is_told_to_run_as_root_or_use_a_state
     os.chmod(etc, 0o755)
 
     def as_nobody(command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
+        return run_as_nobody(
             ["/usr/bin/python3", "-m", "gpu_mon", "--config", str(config), "--sim", str(sim.path), command],
-            capture_output=True,
-            text=True,
-            user=65534,
-            group=65534,
-            extra_groups=[],
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir)},
-            timeout=60,
+            {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir)},
         )
 
     r = as_nobody("run")

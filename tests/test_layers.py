@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from conftest import ROOT, UUIDS, SimHost
+from conftest import ROOT, UUIDS, SimHost, run_as_nobody
 from test_policy import config, holder, snap
 
 import gpu_mon.api
@@ -66,15 +66,10 @@ def test_a_plain_user_takes_a_look_through_the_library(public_dir):
     # one (a CI runner with nothing but this test run), nothing would be unreadable to `nobody`.
     root_proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
-        r = subprocess.run(
+        r = run_as_nobody(
             ["/usr/bin/python3", "-c", code, str(sim.path)],
-            capture_output=True,
-            text=True,
-            user=65534,
-            group=65534,
-            extra_groups=[],
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir), "GPU_MON_SIM": str(sim.path)},
+            {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code_dir), "GPU_MON_SIM": str(sim.path)},
+            timeout=None,
         )
     finally:
         root_proc.kill()

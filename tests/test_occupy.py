@@ -25,6 +25,7 @@ from conftest import (
     marked,
     nobody_host,
     pid_alive,
+    run_as_nobody,
     wait_for,
 )
 
@@ -271,17 +272,7 @@ def test_works_as_a_plain_user(public_dir):
     }
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["/usr/bin/python3", "-m", "gpu_mon", "occupy", *args],
-            capture_output=True,
-            text=True,
-            user=65534,
-            group=65534,
-            extra_groups=[],
-            cwd=str(home),
-            env=env,
-            timeout=60,
-        )
+        return run_as_nobody(["/usr/bin/python3", "-m", "gpu_mon", "occupy", *args], env, cwd=str(home))
 
     code = f"import os, time; open({str(out)!r}, 'w').write(str(os.getuid())); time.sleep(600)"
     try:
@@ -355,16 +346,8 @@ class PlainOccupier:
         self.marker = f"gmo-{uuid.uuid4().hex}"
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["/usr/bin/python3", "-m", "gpu_mon", "occupy", *args],
-            capture_output=True,
-            text=True,
-            user=65534,
-            group=65534,
-            extra_groups=[],
-            cwd=str(self.home),
-            env=self.env,
-            timeout=60,
+        return run_as_nobody(
+            ["/usr/bin/python3", "-m", "gpu_mon", "occupy", *args], self.env, cwd=str(self.home)
         )
 
     def cmd(self, code: str) -> List[str]:

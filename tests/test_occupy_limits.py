@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
-from conftest import GPU_MON, SimHost, kill_marked, nobody_host, wait_for, write_config
+from conftest import GPU_MON, SimHost, kill_marked, nobody_host, run_as_nobody, wait_for, write_config
 
 from gpu_mon import config
 from gpu_mon.api import occupiers, procfs
@@ -280,17 +280,7 @@ def test_a_plain_user_is_held_to_the_limits_and_sees_every_users_occupier(public
     }
 
     def nobody(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["/usr/bin/python3", "-m", "gpu_mon", *args],
-            capture_output=True,
-            text=True,
-            user=65534,
-            group=65534,
-            extra_groups=[],
-            cwd=str(home),
-            env=env,
-            timeout=60,
-        )
+        return run_as_nobody(["/usr/bin/python3", "-m", "gpu_mon", *args], env, cwd=str(home))
 
     root = Occupy(sim, public_dir)  # root's occupier, in the registry nobody's copy uses
     marker = f"gmol-{uuid.uuid4().hex}"
