@@ -193,6 +193,32 @@ class OccupySection:
     line: int = 0
 
 
+QUEUE_ORDERS = ("fair", "fifo")
+
+
+@dataclass(frozen=True)
+class QueueSection:
+    """The [queue] section: users' own jobs (`gpu-mon submit`) on GPUs nobody else uses. Off unless
+    written. Empty `users` and `groups`: everyone may submit. 0 means no limit."""
+
+    socket: str = "/run/gpu_mon/queue.sock"
+    gpus: GpuSelection = GpuSelection(all=True)
+    users: Tuple[str, ...] = ()
+    groups: Tuple[str, ...] = ()
+    max_running_per_user: int = 0
+    max_gpus_per_user: int = 0
+    max_queued_per_user: int = 1000
+    max_gpus_per_job: int = 0
+    order: str = "fair"
+    fair_window_hours: float = 24.0
+    grace_seconds: float = 30.0
+    max_grace_seconds: float = 600.0
+    start_delay_seconds: Optional[float] = None  # None: [defaults] start_delay_seconds
+    preempt_workloads: bool = True
+    database: str = "/var/lib/gpu_mon/queue.sqlite"
+    line: int = 0
+
+
 @dataclass(frozen=True)
 class SentinelSection:
     """The [sentinel] section (seed 001 in the daemon), also what `gpu-mon sentinel`'s options make: arm
@@ -226,6 +252,7 @@ class Config:
     history: HistorySection = HistorySection()
     metrics: Optional[MetricsSection] = None  # off unless the section is written
     occupy: Optional[OccupySection] = None  # no limits unless the section is written
+    queue: Optional[QueueSection] = None  # off unless the section is written
     warnings: Tuple[str, ...] = ()
 
 
@@ -876,12 +903,59 @@ def _occupy_section(sec: _Section, warn: List[str]) -> OccupySection:
     return OccupySection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
 
 
-_KINDS = ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "gpu-NAME", "process-NAME")
+def _limit(value: str) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise ValueError(f"{value!r} is not a whole number") from None
+    if number < 0:
+        raise ValueError(f"must be 0 (no limit) or more, not {number}")
+    return number
+
+
+def _queue_section(sec: _Section, base: str, warn: List[str]) -> QueueSection:
+    schema: Dict[str, Callable[[str], object]] = {
+        "socket": _path(base),
+        "gpus": _gpus,
+        "users": _names,
+        "groups": _names,
+        "max_running_per_user": _limit,
+        "max_gpus_per_user": _limit,
+        "max_queued_per_user": _count,
+        "max_gpus_per_job": _limit,
+        "order": _choice(*QUEUE_ORDERS),
+        "fair_window_hours": _hours,
+        "grace_seconds": _seconds,
+        "max_grace_seconds": _seconds,
+        "start_delay_seconds": _optional(_seconds),
+        "preempt_workloads": _bool,
+        "database": _path(base),
+    }
+    values = sec.parse(schema)
+    if "users" in values:
+        _user_names_warning(values["users"][0], "users", sec, values["users"][1], warn)
+    for name in values.get("groups", ((), 0))[0]:
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            warn.append(f"{sec.where(values['groups'][1])}: [queue] groups: no group {name!r} on this host")
+    queue = QueueSection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
+    if queue.grace_seconds > queue.max_grace_seconds:
+        line = values.get("grace_seconds", values.get("max_grace_seconds", (0, sec.raw.line)))[1]
+        sec.error(
+            line,
+            "grace_seconds",
+            f"{queue.grace_seconds:g} is over max_grace_seconds ({queue.max_grace_seconds:g})",
+        )
+    return queue
+
+
+_KINDS = ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue", "gpu-NAME", "process-NAME")
 
 
 def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
     name = raw.name
-    if name in ("defaults", "tty", "sentinel", "history", "metrics", "occupy"):
+    if name in ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue"):
         return name
     for prefix in ("gpu-", "process-"):
         if name.startswith(prefix):
@@ -895,7 +969,7 @@ def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
                 )
                 return None
             return prefix
-    known = ["defaults", "tty", "sentinel", "history", "metrics", "occupy", "gpu-", "process-"]
+    known = ["defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue", "gpu-", "process-"]
     near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.5)
     hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
     sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
@@ -919,6 +993,7 @@ def parse(text: str, path: str = "<config>") -> Config:
     history = HistorySection()
     metrics: Optional[MetricsSection] = None
     occupy: Optional[OccupySection] = None
+    queue: Optional[QueueSection] = None
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
     bad_lines: Dict[int, str] = {}
@@ -937,6 +1012,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             metrics = _metrics_section(sec, base)
         elif kind == "occupy":
             occupy = _occupy_section(sec, warnings)
+        elif kind == "queue":
+            queue = _queue_section(sec, base, warnings)
         elif kind == "gpu-":
             g = _gpu_section(sec, warnings)
             if g:
@@ -958,6 +1035,7 @@ def parse(text: str, path: str = "<config>") -> Config:
         history=history,
         metrics=metrics,
         occupy=occupy,
+        queue=queue,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
     if errors:
