@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, occupy, report, sentinel, stress, watch
+from gpu_mon.commands import base, occupy, queue, report, sentinel, stress, watch
 from gpu_mon.commands.check import cmd_check
 from gpu_mon.commands.run import cmd_run
 from gpu_mon.commands.status import cmd_status
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p, top=False, sim=False)
     report.add_arguments(p)
+    queue.add_arguments(sub, _add_common)
     _strict_commands(parser)
     return parser
 
@@ -179,6 +180,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return watch.cmd_watch(args)
         if args.command == "check":
             return cmd_check(args, _stderr)
+        if args.command in queue.COMMANDS:
+            return queue.cmd_queue(args)
         return {"run": cmd_run, "status": cmd_status}[args.command](args)
     except ConfigError as err:
         for line in err.errors:

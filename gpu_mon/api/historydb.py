@@ -120,6 +120,13 @@ def migrate(conn: sqlite3.Connection) -> None:
         )
 
 
+def connect_plain(path: str) -> sqlite3.Connection:
+    """A connection for another of gpu-mon's databases (the queue's, gpu_mon/queue/store.py, which owns its
+    schema): autocommit mode (the caller writes BEGIN and COMMIT), usable from any thread (the caller
+    serializes), a busy timeout."""
+    return sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
+
+
 def connect_ro(path: str) -> sqlite3.Connection:
     """Open read-only (works while the daemon writes); NotOurs when it is not a usable history."""
     if not _regular_or_absent(path):  # (a FIFO would hang the open)

@@ -29,6 +29,7 @@ from gpu_mon.engine.idlecommand import IdleCommands
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.openers import Openers
 from gpu_mon.engine.opens import OpenWatch
+from gpu_mon.engine.queue import Queue, queue_gpus
 from gpu_mon.engine.reload import Reloader
 from gpu_mon.engine.workloads import cgroups, linux, stopping
 from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
@@ -89,6 +90,7 @@ class Daemon:
         self.full_scan_requested = False
         self.last_event_full = -1e9
         self.deferred_full: Optional[float] = None
+        self.queue: Optional[Queue] = None  # [queue]: users' jobs (engine/queue.py)
         self.started_wall = wall()
         stat = read_stat(os.getpid())
         self.start_ticks = stat.start_ticks if stat else 0
@@ -104,6 +106,7 @@ class Daemon:
         self.catch_signals()
         tree, self.containment = cgroups.choose(self.config.defaults.containment, os.getpid())
         self.supervisor.contain_in(tree)
+        self._start_queue()
         self._start_watching()
         self._say_hello()
         self._set_sentinel()
@@ -114,6 +117,8 @@ class Daemon:
             if self.stopping and not self.supervisor.busy():
                 break
             deadlines = (self.next_poll, self.deferred_full, self.supervisor.next_deadline(self.clock()))
+            if self.queue is not None:
+                deadlines += (self.queue.next_wake,)
             wake = self.decision.next_wake if self.decision else None
             ready = self.loop.wait((*deadlines, wake), self.clock())
             now = self.clock()
@@ -162,6 +167,17 @@ class Daemon:
         self.stopping += 1
         if self.stopping == 1:
             self._shutdown(self.clock())
+
+    def _start_queue(self) -> None:
+        """[queue]: open its database and socket; without them gpu-mon runs on, without the queue."""
+        if self.config.queue is None:
+            return
+        try:
+            self.queue = Queue(self.config, self.supervisor, self.loop.poke, self.wall)
+            self.queue.start()
+        except Exception as err:  # a database or socket we cannot make: one line, and no queue
+            log.error("queue: cannot start the queue: %s", err)
+            self.queue = None
 
     def _start_watching(self) -> None:
         d = self.config.defaults
@@ -235,7 +251,7 @@ class Daemon:
     def _wake_due(self, now: float) -> bool:
         """A start delay or a restart backoff the last decision waits for has run out."""
         wake = self.decision.next_wake if self.decision else None
-        return wake is not None and now >= wake
+        return (wake is not None and now >= wake) or (self.queue is not None and self.queue.wanted(now))
 
     def _poll(self, now: float, full: bool) -> None:
         d = self.config.defaults
@@ -300,12 +316,13 @@ class Daemon:
     def _snapshot(self, now: float) -> Snapshot:
         tty = self.config.tty
         snap = self.observer.snapshot(now, self.supervisor.sessions(), tty.devices if tty.enabled else None)
-        return dataclasses.replace(
+        snap = dataclasses.replace(
             snap,
             running=self.supervisor.running(),
             exited=self.supervisor.take_exits(),
             unseen_opens=tuple(self.openers.unseen.values()),
         )
+        return self.queue.take_jobs(snap) if self.queue is not None else snap
 
     def _round(self, now: float, scan: Optional[str]) -> None:
         if scan is not None:
@@ -319,6 +336,9 @@ class Daemon:
         self._log_transitions(plan, decision)
         for event in decision.events:
             self._say(words.restarting(event), logging.WARNING if event.failing else logging.INFO)
+        if self.queue is not None:
+            uuids = queue_gpus(self.queue.q, plan.rules, plan.index_of)
+            decision = self.queue.round(decision, plan.index_of, uuids, now, stopping=bool(self.stopping))
         self._act(decision, plan, now)
         self.decision = decision
         self._publish(plan, snap, decision, self._yields_done(snap), self._idle_holders(plan, snap))
@@ -529,11 +549,11 @@ class Daemon:
         for key in ("state_file", "containment"):
             if getattr(d, key) != getattr(old, key):
                 log.warning("reload: [defaults] %s changes take effect when gpu-mon restarts", key)
-        for section in ("history", "metrics"):
+        fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
+        for section in ("history", "metrics", "queue"):
             if reload.unplaced(getattr(new, section)) != reload.unplaced(getattr(self.config, section)):
                 log.warning("reload: [%s] changes take effect when gpu-mon restarts", section)
-        fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
-        kept = {"history": self.config.history, "metrics": self.config.metrics}
+        kept = {"history": self.config.history, "metrics": self.config.metrics, "queue": self.config.queue}
         return dataclasses.replace(new, defaults=fixed, **kept)
 
     def _apply(self, new: Config, now: float) -> None:
@@ -574,10 +594,14 @@ class Daemon:
         self.loop.announce("stopping")
         count = len(self.supervisor.workloads)
         self._say(f"stopping{' ' + why if why else ''}{f': {count} workload(s) to stop' if count else ''}")
+        if self.queue is not None:
+            self.queue.shutting_down()  # its running jobs go back to the queue
         self.supervisor.stop_all("gpu-mon is stopping", now)
 
     def _finish(self) -> None:
         self.reloader.close()
+        if self.queue is not None:
+            self.queue.close()
         log.info("gpu-mon stopped")
         self.loop.announce("stopped")
         self.opens.stop(self.loop.remove_reader)

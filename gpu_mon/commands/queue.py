@@ -1,0 +1,278 @@
+"""`gpu-mon submit`, `jobs`, `cancel`, `hold`, `release`, `logs`: the queue's front door, run by the user.
+
+Each command is one request over the daemon's socket ([queue] socket); the daemon knows the user from the
+kernel, never from what we send. The job's output file is created by the job itself, as the user; its
+default directory is made here, by the user too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Callable, List, Optional
+
+from gpu_mon.api.text import sanitize
+from gpu_mon.commands import base
+from gpu_mon.commands.base import CliError
+from gpu_mon.config import DEFAULT_PATH, QueueSection
+from gpu_mon.engine import words
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.protocol import NoDaemon, ProtocolError, request
+from gpu_mon.queue.requests import DEFAULT_OUTPUT
+
+EXIT_TIMEOUT = 124
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_POLL_SECONDS = 0.5
+
+
+def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., None]) -> None:
+    """The six queue commands."""
+    p = sub.add_parser(
+        "submit",
+        help="queue a command to run as you on free GPUs, yielding to anyone else's use",
+        description="Queue COMMAND to run as you, in this directory, with this environment, on GPUs nobody "
+        "else uses ([queue] in the daemon's config). It gets CUDA_VISIBLE_DEVICES (GPU UUIDs), "
+        "GPU_MON_JOB_ID and GPU_MON_RESTART_COUNT. When someone else uses one of its GPUs it gets its stop "
+        "signal, SIGKILL after the grace, and goes back to the queue. Prints `job ID queued (N ahead)`; "
+        "exit 1 when refused, 2 on bad usage; with --wait the job's own exit status (124: time limit).",
+    )
+    add_common(p, top=False, sim=False)
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs (default 1)")
+    p.add_argument("--name", default="", help="a name for `jobs` (at most 64 characters)")
+    p.add_argument("--priority", type=int, default=0, metavar="P", help="higher goes first (default 0)")
+    p.add_argument("--after", default="", metavar="ID[,ID...]", help="start only after these jobs are done")
+    p.add_argument("--stop-signal", default="SIGTERM", metavar="SIG", help="signal to stop it (e.g. USR1)")
+    p.add_argument("--grace", type=float, metavar="SECONDS", help="stop signal to SIGKILL (default [queue])")
+    p.add_argument("--time-limit", metavar="DURATION", help="stop it after this long (90, 30m, 2h, 1d)")
+    p.add_argument("--output", metavar="FILE", help=f"stdout and stderr (default ~/{DEFAULT_OUTPUT}/ID.log)")
+    p.add_argument("--no-requeue", action="store_true", help="when preempted, end as `preempted`")
+    p.add_argument("--hold", action="store_true", help="queue it held: it waits for `gpu-mon release`")
+    p.add_argument("--wait", action="store_true", help="wait for the end; exit with the job's status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="what to run")
+    p = sub.add_parser("jobs", help="the queue's jobs and why each waits", description="List the queue.")
+    add_common(p, top=False, sim=False)
+    p.add_argument("--all", action="store_true", help="finished jobs too")
+    p.add_argument("--user", help="only this user's jobs")
+    p.add_argument("--state", choices=J.STATES, help="only jobs in this state")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    for name, what in (("cancel", "cancel"), ("hold", "hold"), ("release", "release held")):
+        p = sub.add_parser(name, help=f"{what} your jobs", description=f"{what.capitalize()} your jobs.")
+        add_common(p, top=False, sim=False)
+        p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
+    p = sub.add_parser("logs", help="a job's output", description="Print a job's output file.")
+    add_common(p, top=False, sim=False)
+    p.add_argument("id", type=_job_id, metavar="ID")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+
+
+COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs")
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    """Run one of the queue commands."""
+    socket = socket_path(args)
+    handler = {
+        "submit": _submit,
+        "jobs": _jobs,
+        "cancel": _change,
+        "hold": _change,
+        "release": _change,
+        "logs": _logs,
+    }[args.command]
+    try:
+        return handler(args, socket)
+    except NoDaemon as err:
+        raise CliError(str(err), base.EXIT_FAILURE) from None
+    except ProtocolError as err:
+        raise CliError(str(err), base.EXIT_USAGE) from None
+
+
+def socket_path(args: argparse.Namespace) -> str:
+    """The socket the config names; the default one when the config cannot be read (a user may not be
+    able to read /etc/gpu_mon.conf); an error when the config has no [queue]."""
+    path, explicit = base.config_path(args)
+    if not explicit and not os.access(path, os.R_OK):
+        return QueueSection().socket
+    config = base.load_config(args, required=explicit)
+    if config is None:
+        return QueueSection().socket
+    if config.queue is None:
+        raise CliError(f"the queue is off: {path or DEFAULT_PATH} has no [queue] section", base.EXIT_FAILURE)
+    return config.queue.socket
+
+
+def _ask(socket: str, req: dict) -> dict:
+    answer = request(socket, req)
+    if not answer.get("ok"):
+        raise CliError(sanitize(str(answer.get("error", "refused"))), int(answer.get("code", 1)))
+    return answer
+
+
+# ------------------------------------------------------------------ submit
+
+
+def _submit(args: argparse.Namespace, socket: str) -> int:
+    command = list(args.argv)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError("submit: no command given (gpu-mon submit [OPTIONS] -- COMMAND [ARGS...])")
+    req = {
+        "op": "submit",
+        "command": command,
+        "cwd": os.getcwd(),
+        "env": dict(os.environ),
+        "name": args.name,
+        "gpus": args.gpus,
+        "priority": args.priority,
+        "after": _ids(args.after),
+        "stop_signal": args.stop_signal,
+        "time_limit": _duration(args.time_limit) if args.time_limit else None,
+        "output": os.path.abspath(args.output) if args.output else "",
+        "requeue": not args.no_requeue,
+        "hold": args.hold,
+    }
+    if args.grace is not None:
+        req["grace"] = args.grace
+    if not args.output:
+        os.makedirs(os.path.join(os.path.expanduser("~"), DEFAULT_OUTPUT), mode=0o700, exist_ok=True)
+    answer = _ask(socket, req)
+    if args.json:
+        print(json.dumps({"id": answer["id"], "state": answer["state"], "ahead": answer["ahead"]}))
+    else:
+        print(f"job {answer['id']} {answer['state']} ({answer['ahead']} ahead)")
+    sys.stdout.flush()
+    return _wait(socket, int(answer["id"])) if args.wait else base.EXIT_OK
+
+
+def _wait(socket: str, job_id: int) -> int:
+    while True:
+        (job,) = _ask(socket, {"op": "jobs", "ids": [job_id]})["jobs"]
+        if job["state"] in J.ENDED:
+            break
+        time.sleep(_POLL_SECONDS)
+    print(f"job {job_id} {job['state']}", file=sys.stderr)
+    if job["state"] == J.TIMEOUT:
+        return EXIT_TIMEOUT
+    if job["state"] in (J.DONE, J.FAILED) and job["exit_status"] is not None:
+        return min(255, max(0, int(job["exit_status"])))
+    return base.EXIT_FAILURE
+
+
+def _ids(text: str) -> List[int]:
+    return [_job_id(part) for part in text.split(",") if part.strip()] if text else []
+
+
+def _job_id(text: str) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job id") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a job id")
+    return value
+
+
+def _duration(text: str) -> float:
+    m = _DURATION.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise CliError(f"--time-limit: {text!r} is not a duration (90, 90s, 30m, 2h, 1d)")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+# ------------------------------------------------------------------ jobs, cancel, hold, release
+
+
+def _jobs(args: argparse.Namespace, socket: str) -> int:
+    req = {"op": "jobs", "all": args.all, "user": args.user, "state": args.state}
+    jobs = _ask(socket, req)["jobs"]
+    if args.json:
+        for j in jobs:
+            j.pop("gpu_indices", None)
+        print(json.dumps({"jobs": jobs}, indent=2))
+        return base.EXIT_OK
+    if not jobs:
+        print("no jobs")
+        return base.EXIT_OK
+    rows = [("ID", "USER", "STATE", "GPUS", "TIME", "RESTARTS", "NAME / COMMAND", "WHY")]
+    rows += [_row(j) for j in jobs]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return base.EXIT_OK
+
+
+def _row(j: dict) -> tuple:
+    gpus = ",".join(str(i) if i is not None else "?" for i in j.get("gpu_indices") or []) or "-"
+    ran = "-"
+    if j["state"] in J.LIVE and j.get("started"):
+        started = time.mktime(time.strptime(j["started"][:19], "%Y-%m-%dT%H:%M:%S"))
+        ran = words.duration(time.time() - started)
+    what = j["name"] or " ".join(j["command"])
+    why = j["reason"] or ""
+    if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is not None:
+        why = words.exit_status(int(j["exit_status"]))
+    return (
+        str(j["id"]),
+        sanitize(j["user"]),
+        j["state"],
+        gpus,
+        ran,
+        str(j["restarts"]),
+        sanitize(what, limit=40),
+        sanitize(why),
+    )
+
+
+def _change(args: argparse.Namespace, socket: str) -> int:
+    answer = _ask(socket, {"op": args.command, "ids": args.ids})
+    code = base.EXIT_OK
+    for r in answer["results"]:
+        if r["ok"]:
+            print(f"job {r['id']}: {r['state']}")
+        else:
+            print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
+            code = base.EXIT_FAILURE
+    return code
+
+
+# ------------------------------------------------------------------ logs
+
+
+def _logs(args: argparse.Namespace, socket: str) -> int:
+    answer = _ask(socket, {"op": "logs-path", "id": args.id})
+    path, state = answer["path"], answer["state"]
+    offset = _print_from(path, 0, quiet=args.follow or state in (J.QUEUED, J.HELD))
+    if offset is None and not args.follow:
+        raise CliError(f"job {args.id} has no output yet ({path})", base.EXIT_FAILURE)
+    while args.follow and state not in J.ENDED:
+        time.sleep(_POLL_SECONDS)
+        (job,) = _ask(socket, {"op": "jobs", "ids": [args.id]})["jobs"]
+        state = job["state"]
+        offset = _print_from(path, offset or 0, quiet=True)
+    if args.follow:
+        _print_from(path, offset or 0, quiet=True)
+    return base.EXIT_OK
+
+
+def _print_from(path: str, offset: int, quiet: bool) -> Optional[int]:
+    """Print what the file has past `offset`; the new offset, or None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if quiet:
+            return None
+        raise CliError(f"{path}: {err.strerror}", base.EXIT_FAILURE) from None
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+    return offset + len(data)

@@ -1,0 +1,361 @@
+"""The queue in the daemon: each round, after the policy has judged every GPU, place the queue's jobs
+(queue/placement.py, pure) and act: start jobs as workloads with an owner (the supervisor, its leader and
+containment), stop a job whose GPU someone else now uses (its stop signal, its grace, then SIGKILL: an
+urgent stop), take a GPU from a [process-*] workload, and keep [process-*] workloads off the GPUs jobs hold.
+
+The store is the truth: a cancel or time limit marks the job `stopping` and the round stops it; an exit
+ends it as done, failed, timeout, cancelled, preempted or back in the queue. A daemon that starts finds
+the jobs an earlier one was running: their processes went with that daemon (each leader stops its
+workload when the daemon dies), so they go back to the queue, once their old leader is gone (never two
+runs of a job at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pwd
+from typing import Dict, List, Optional, Tuple
+
+from gpu_mon.api.model import Exited, Snapshot
+from gpu_mon.api.procfs import read_stat
+from gpu_mon.api.text import sanitize
+from gpu_mon.config import Config, QueueSection
+from gpu_mon.engine import words
+from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
+from gpu_mon.engine.workloads.stopping import StopRule
+from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue import placement
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.requests import Requests, View, groups_of, output_of
+from gpu_mon.queue.server import Server
+from gpu_mon.queue.store import Store
+
+log = logging.getLogger("gpu_mon")
+
+PREFIX = "job:"
+# Run as the user: go to the submit directory and open the output file with the user's own rights
+# (never root's), then become the command. $1 directory, $2 output file, the rest the command.
+_WRAPPER = (
+    'cd -- "$1" || exit 126; (umask 077; : >>"$2") || exit 126; exec >>"$2" 2>&1 || exit 126; '
+    'shift 2; exec "$@"'
+)
+
+
+def job_key(job_id: int) -> str:
+    """The supervisor's key of a job's workload."""
+    return f"{PREFIX}{job_id}"
+
+
+def _job_id(key: str) -> Optional[int]:
+    return int(key[len(PREFIX) :]) if key.startswith(PREFIX) else None
+
+
+class Queue:
+    """The daemon's queue: the store, the socket, and each round's placement."""
+
+    def __init__(self, config: Config, supervisor: Supervisor, poke, wall) -> None:
+        assert config.queue is not None
+        self.q: QueueSection = config.queue
+        self.delay = (
+            self.q.start_delay_seconds
+            if self.q.start_delay_seconds is not None
+            else config.defaults.start_delay_seconds
+        )
+        self.supervisor, self.poke, self.wall = supervisor, poke, wall
+        self.store = Store.open(self.q.database, wall())
+        self.view = View()
+        self.requests = Requests(self.store, self.q, lambda: self.view, self._changed)
+        self.server = Server(self.q.socket, self.requests)
+        self.exits: List[Exited] = []
+        self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
+        self.next_wake: Optional[float] = None
+        self.dirty = True
+        self.seen_version = -1
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
+        self._adopt()
+        self.server.start()
+        queued = sum(1 for j in self.store.all() if j.state == J.QUEUED)
+        log.info("queue: listening on %s; %d job(s) queued (%s)", self.q.socket, queued, self.q.database)
+
+    def _adopt(self) -> None:
+        for job in self.store.all():
+            if job.state not in J.LIVE:
+                continue
+            if _alive(job.leader_pid, job.leader_ticks):
+                self.orphans[job.id] = (job.leader_pid, job.leader_ticks)
+                self.store.change(job.id, lambda j: J.stopping(j, J.STOP_RESTART))
+                log.info("queue: job %d: the processes an earlier gpu-mon started are stopping", job.id)
+            else:
+                self.store.change(job.id, _rerun)
+                log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
+
+    def shutting_down(self) -> None:
+        """gpu-mon stops (every workload is being stopped): its running jobs go back to the queue."""
+
+        def restart(j: Job) -> Optional[Job]:
+            return J.stopping(j, J.STOP_RESTART) if j.state in J.LIVE and j.reason != J.STOP_CANCEL else None
+
+        self.store.change_many([(j.id, restart) for j in self.store.all() if j.state in J.LIVE])
+
+    def close(self) -> None:
+        """Stop listening; close the database."""
+        self.server.stop()
+        self.store.close()
+
+    def _changed(self) -> None:
+        """A request changed the queue (called from the server's thread): a round soon."""
+        self.dirty = True
+        self.poke()
+
+    def wanted(self, now: float) -> bool:
+        """Whether the queue wants a round now (a request came, a start delay or time limit is over)."""
+        return self.dirty or (self.next_wake is not None and now >= self.next_wake)
+
+    # ------------------------------------------------------------------ each round
+
+    def take_jobs(self, snap: Snapshot) -> Snapshot:
+        """The snapshot as the policy must see it: jobs' workloads and exits are the queue's."""
+        self.exits.extend(e for e in snap.exited if e.key.startswith(PREFIX))
+        return dataclasses.replace(
+            snap,
+            running=tuple(r for r in snap.running if not r.key.startswith(PREFIX)),
+            exited=tuple(e for e in snap.exited if not e.key.startswith(PREFIX)),
+        )
+
+    def round(
+        self,
+        decision: Decision,
+        index_of: Dict[str, int],
+        uuids: List[str],
+        now: float,
+        stopping: bool = False,
+    ) -> Decision:
+        """Place and act; return the policy's decision without starts on GPUs that jobs hold or claim.
+        While gpu-mon stops, only the jobs' ends are recorded."""
+        self.dirty = False
+        wall = self.wall()
+        self._ended(wall)
+        if stopping:
+            return decision
+        self._orphans_gone()
+        jobs = self.store.all()
+        views = self._views(decision, uuids)
+        plan = placement.place(jobs, views, self.q, self.delay, now, wall)
+        self._preempt(plan, index_of, now)
+        self._reconcile(now)
+        self._dependencies(plan, wall)
+        self._take_from_workloads(plan, index_of, now)
+        for s in plan.starts:
+            self._start(s, index_of, now, wall)
+        self.next_wake = plan.next_wake
+        self.view = View(waiting=plan.waiting, index_of=dict(index_of))
+        return _without_claimed(decision, plan.claimed)
+
+    def _views(self, decision: Decision, uuids: List[str]) -> List[placement.GpuView]:
+        on: Dict[str, Tuple[str, bool]] = {}
+        for key, w in self.supervisor.workloads.items():
+            if not key.startswith(PREFIX):
+                for u in w.instance.gpus:
+                    on[u] = (key, w.stopping)
+        views = []
+        for u in uuids:
+            v = decision.verdicts.get(u)
+            busy = v is None or v.busy
+            reason = v.reasons[0] if v is not None and v.reasons else None
+            key, stopping = on.get(u, ("", False))
+            free = v.free_since if v is not None else None
+            views.append(placement.GpuView(u, busy, reason, free, key, stopping))
+        return views
+
+    def _preempt(self, plan: placement.Placement, index_of: Dict[str, int], now: float) -> None:
+        """Someone else uses a job's GPU: the stop goes out first, the database after."""
+        for p in plan.preempt_jobs:
+            why = f"{words.gpu(p.gpu, index_of)} busy: {words.reason(p.reason) if p.reason else 'unsure'}"
+            self.supervisor.stop(job_key(p.job), why, now, urgent=True)
+            log.info("queue: %s; stopping job %d", why, p.job)
+        self.store.change_many(
+            (p.job, lambda j: J.stopping(j, J.STOP_PREEMPT) if j.state == J.RUNNING else None)
+            for p in plan.preempt_jobs
+        )
+
+    def _reconcile(self, now: float) -> None:
+        """Jobs marked stopping (cancel, time limit, shutdown) whose workload has not been told yet."""
+        gone = []
+        for job in self.store.all():
+            if job.state != J.STOPPING:
+                continue
+            w = self.supervisor.workloads.get(job_key(job.id))
+            if w is not None and not w.stopping:
+                why = {J.STOP_CANCEL: "cancelled", J.STOP_TIMEOUT: "time limit"}.get(job.reason, job.reason)
+                self.supervisor.stop(job_key(job.id), why, now)
+                log.info("queue: job %d (%s): %s; stopping it", job.id, sanitize(job.user), why)
+            elif w is None and job.id not in self.orphans:
+                gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
+        self.store.change_many((i, lambda j: _rerun(j) if j.state == J.STOPPING else None) for i in gone)
+
+    def _dependencies(self, plan: placement.Placement, wall: float) -> None:
+        for c in plan.cancels:
+            what = f"job {c.after} {c.after_state}" if c.after_state else f"job {c.after} does not exist"
+            reason = f"after {what}"
+            if self.store.change(c.job, lambda j, r=reason: _cancel_queued(j, wall, r)) is not None:
+                log.info("queue: job %d cancelled: after %s", c.job, what)
+        self.store.change_many(
+            (t.job, lambda j: J.stopping(j, J.STOP_TIMEOUT) if j.state == J.RUNNING else None)
+            for t in plan.time_up
+        )
+        if plan.time_up:
+            self.dirty = True  # stop them in the next round (it comes at once)
+
+    def _take_from_workloads(self, plan: placement.Placement, index_of: Dict[str, int], now: float) -> None:
+        for p in plan.preempt_workloads:
+            w = self.supervisor.workloads.get(p.workload)
+            if w is None or w.stopping:
+                continue
+            why = f"job {p.job} takes {words.gpu(p.gpu, index_of)}"
+            self.supervisor.stop(p.workload, why, now)
+            log.info("queue: %s; stopping %s[%d]", why, w.label, w.pid)
+
+    def _start(self, s: placement.StartJob, index_of: Dict[str, int], now: float, wall: float) -> None:
+        job = self.store.change(
+            s.job, lambda j: J.started(j, s.gpus, wall, 0, 0) if j.state == J.QUEUED else None
+        )
+        if job is None:
+            return  # held or cancelled since it was placed
+        gpus = ", ".join(words.gpu(u, index_of) for u in s.gpus)
+        try:
+            w = self.supervisor.launch(
+                Instance(key=job_key(job.id), process=job_key(job.id), gpus=s.gpus),
+                _launch(job, s.gpus),
+                f"job {job.id}",
+                now,
+                StopRule(signal=job.stop_signal, grace=job.grace, urgent_grace=job.grace),
+            )
+        except StartError as err:
+            detail = str(err)
+            log.error("queue: cannot start job %d: %s", job.id, detail)
+            self.store.change(
+                job.id, lambda j: dataclasses.replace(j, state=J.FAILED, ended=wall, reason=detail)
+            )
+            return
+        stat = read_stat(w.pid)
+        ticks = stat.start_ticks if stat else 0
+        self.store.change(job.id, lambda j: dataclasses.replace(j, leader_pid=w.pid, leader_ticks=ticks))
+        log.info(
+            "queue: starting job %d[%d] of %s on %s (restart %d): %s",
+            job.id,
+            w.pid,
+            sanitize(job.user),
+            gpus,
+            job.restarts,
+            sanitize(" ".join(job.command), limit=200),
+        )
+
+    def _ended(self, wall: float) -> None:
+        for ex in self.exits:
+            job = self.store.get(_job_id(ex.key) or 0)
+            new = self.store.change(
+                _job_id(ex.key) or 0,
+                lambda j, rc=ex.returncode: J.ended(j, wall, rc) if j.state in J.LIVE else None,
+            )
+            if job is None or new is None:
+                continue
+            after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
+            log.info(
+                "queue: job %d of %s %s: %s%s",
+                job.id,
+                sanitize(job.user),
+                words.exit_status(ex.returncode),
+                new.state if new.state != J.QUEUED else "back in the queue",
+                after,
+            )
+        self.exits = []
+
+    def _orphans_gone(self) -> None:
+        gone = [i for i, (pid, ticks) in self.orphans.items() if not _alive(pid, ticks)]
+        for job_id in gone:
+            del self.orphans[job_id]
+            if self.store.change(job_id, lambda j: _rerun(j) if j.state == J.STOPPING else None):
+                log.info("queue: job %d: the earlier gpu-mon's processes are gone: back in the queue", job_id)
+        if self.orphans:
+            self.dirty = True  # look again next round
+
+
+def _rerun(job: Job) -> Job:
+    """Its run is gone with an earlier daemon: back in the queue, as a restart."""
+    return dataclasses.replace(J.requeued_after_restart(job), restarts=job.restarts + 1)
+
+
+def _cancel_queued(job: Job, wall: float, reason: str) -> Optional[Job]:
+    return J.cancelled(job, wall, reason) if job.state in (J.QUEUED, J.HELD) else None
+
+
+def _alive(pid: int, ticks: int) -> bool:
+    if pid <= 0:
+        return False
+    st = read_stat(pid)
+    return st is not None and st.start_ticks == ticks and st.state != "Z"
+
+
+def _launch(job: Job, gpus: Tuple[str, ...]) -> Launch:
+    env = dict(job.env)
+    env.update(
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(gpus),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "GPU_MON_JOB_ID": str(job.id),
+            "GPU_MON_RESTART_COUNT": str(job.restarts),
+        }
+    )
+    switch = os.geteuid() == 0
+    if not switch and job.uid != os.geteuid():
+        try:
+            name = pwd.getpwuid(job.uid).pw_name
+        except KeyError:
+            name = str(job.uid)
+        raise StartError(f"cannot run as {name}: gpu-mon is not running as root")
+    return Launch(
+        argv=("/bin/sh", "-c", _WRAPPER, "gpu-mon-job", job.cwd, output_of(job), *job.command),
+        dir="/",
+        env=env,
+        uid=job.uid,
+        gid=job.gid,
+        groups=groups_of(job.uid, job.gid),
+        switch_user=switch,
+    )
+
+
+def _without_claimed(decision: Decision, claimed: Dict[str, int]) -> Decision:
+    """The policy's starts, less those on GPUs that jobs hold or are about to take."""
+    if not claimed:
+        return decision
+    actions, waiting = [], dict(decision.waiting)
+    for a in decision.actions:
+        if isinstance(a, Start):
+            taken = [u for u in a.instance.gpus if u in claimed]
+            if taken:
+                waiting[a.instance.key] = Wait("taken", gpu=taken[0], by=f"job {claimed[taken[0]]}")
+                continue
+        actions.append(a)
+    return dataclasses.replace(decision, actions=tuple(actions), waiting=waiting)
+
+
+def queue_gpus(queue: QueueSection, watched: Dict[str, object], index_of: Dict[str, int]) -> List[str]:
+    """The UUIDs of the GPUs jobs may use: `[queue] gpus` among those a [gpu-*] section names, by index."""
+    by_index = {i: u for u, i in index_of.items()}
+    if queue.gpus.all:
+        chosen = list(watched)
+    else:
+        lower = {u.lower(): u for u in watched}
+        chosen = [
+            by_index.get(r, "") if isinstance(r, int) else lower.get(str(r).lower(), "")
+            for r in queue.gpus.refs
+        ]
+    out = [u for u in dict.fromkeys(chosen) if u in watched]
+    return sorted(out, key=lambda u: index_of.get(u, len(index_of)))

@@ -1,0 +1,1 @@
+"""The queue: users' own jobs on GPUs nobody else uses (`gpu-mon submit`). See docs/ARCHITECTURE.md."""

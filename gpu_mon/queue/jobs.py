@@ -1,0 +1,121 @@
+"""A queued job as plain data, and its state changes as small pure functions (each returns a new Job).
+
+States: queued -> running -> stopping -> (done | failed | timeout | cancelled | preempted | queued again);
+queued <-> held; queued/held -> cancelled. `ended` states never change again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+QUEUED, HELD, RUNNING, STOPPING = "queued", "held", "running", "stopping"
+DONE, FAILED, CANCELLED, PREEMPTED, TIMEOUT = "done", "failed", "cancelled", "preempted", "timeout"
+STATES = (QUEUED, HELD, RUNNING, STOPPING, DONE, FAILED, CANCELLED, PREEMPTED, TIMEOUT)
+ENDED = (DONE, FAILED, CANCELLED, PREEMPTED, TIMEOUT)
+LIVE = (RUNNING, STOPPING)  # processes of it may run
+
+# Why a running job is being stopped (what its end becomes)
+STOP_PREEMPT, STOP_CANCEL, STOP_TIMEOUT, STOP_RESTART = "preempt", "cancel", "timeout", "restart"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job: what the user submitted, and where it stands."""
+
+    id: int
+    user: str
+    uid: int
+    gid: int
+    command: Tuple[str, ...]
+    cwd: str
+    env: Tuple[Tuple[str, str], ...]
+    output: str
+    submitted: float
+    name: str = ""
+    gpus_wanted: int = 1
+    priority: int = 0
+    after: Tuple[int, ...] = ()
+    stop_signal: int = 15
+    grace: float = 30.0
+    time_limit: Optional[float] = None
+    requeue: bool = True
+    state: str = QUEUED
+    gpus: Tuple[str, ...] = ()  # UUIDs while it runs (and the last ones after)
+    started: Optional[float] = None
+    ended: Optional[float] = None
+    restarts: int = 0
+    exit_status: Optional[int] = None
+    reason: str = ""  # why it ended as it did, or why it is stopping (STOP_*)
+    gpu_seconds: float = 0.0  # over all its runs that ended
+    leader_pid: int = 0  # the leader of its current run, and its start ticks (for a daemon restart)
+    leader_ticks: int = 0
+
+    @property
+    def env_dict(self) -> Dict[str, str]:
+        """The submitted environment."""
+        return dict(self.env)
+
+
+def started(job: Job, gpus: Tuple[str, ...], now: float, leader_pid: int, leader_ticks: int) -> Job:
+    """It runs now, on these GPUs, under this leader."""
+    return dataclasses.replace(
+        job,
+        state=RUNNING,
+        gpus=gpus,
+        started=now,
+        ended=None,
+        reason="",
+        leader_pid=leader_pid,
+        leader_ticks=leader_ticks,
+    )
+
+
+def stopping(job: Job, why: str) -> Job:
+    """A stop is under way (why: one of STOP_*)."""
+    return dataclasses.replace(job, state=STOPPING, reason=why)
+
+
+def _ran(job: Job, now: float) -> float:
+    return max(0.0, now - (job.started or now)) * max(1, len(job.gpus))
+
+
+def ended(job: Job, now: float, returncode: int) -> Job:
+    """Its run ended: done, failed, or what its stop was for (back in the queue after a preemption)."""
+    used = job.gpu_seconds + _ran(job, now)
+    base = dataclasses.replace(job, gpu_seconds=used, leader_pid=0, leader_ticks=0, exit_status=returncode)
+    if job.state == STOPPING and job.reason == STOP_PREEMPT:
+        if job.requeue:
+            return dataclasses.replace(base, state=QUEUED, restarts=job.restarts + 1, reason="preempted")
+        return dataclasses.replace(base, state=PREEMPTED, ended=now, reason="preempted (no requeue)")
+    if job.state == STOPPING and job.reason == STOP_RESTART:
+        return dataclasses.replace(base, state=QUEUED, exit_status=None, reason="daemon restarted")
+    if job.state == STOPPING and job.reason == STOP_TIMEOUT:
+        return dataclasses.replace(base, state=TIMEOUT, ended=now, exit_status=124, reason="time limit")
+    if job.state == STOPPING and job.reason == STOP_CANCEL:
+        return dataclasses.replace(base, state=CANCELLED, ended=now, reason="cancelled while running")
+    state = DONE if returncode == 0 else FAILED
+    return dataclasses.replace(base, state=state, ended=now, reason="")
+
+
+def requeued_after_restart(job: Job) -> Job:
+    """The daemon that ran it is gone (and its processes with it): back in the queue, in its place."""
+    return dataclasses.replace(
+        job, state=QUEUED, leader_pid=0, leader_ticks=0, reason="daemon restarted", exit_status=None
+    )
+
+
+def cancelled(job: Job, now: float, reason: str) -> Job:
+    """A queued or held job is cancelled (a running one is stopped first: see `stopping`)."""
+    return dataclasses.replace(job, state=CANCELLED, ended=now, reason=reason)
+
+
+def held(job: Job) -> Job:
+    """A queued job is held: it does not start until released."""
+    return dataclasses.replace(job, state=HELD)
+
+
+def released(job: Job) -> Job:
+    """A held job goes back to waiting, in its place."""
+    return dataclasses.replace(job, state=QUEUED)

@@ -1,0 +1,300 @@
+"""Pure placement: which queued job starts where, which running job must yield, what waits and why.
+
+`place` takes the queue's jobs, each queue GPU's state from the daemon's policy (busy with reasons, free
+since when, which [process-*] workload runs on it), the [queue] limits and the time, and returns typed
+decisions and a typed reason for every waiting job; words come only in the front-ends. No I/O, no clock.
+
+Tiers: someone else's use of a GPU stops a job on it (the policy's verdict says busy); a job outranks a
+[process-*] workload (it takes the workload's GPU when `preempt_workloads`). Order: `fair` (fewest
+GPU-seconds over the window first, then priority, then submission) or `fifo` (priority, then submission);
+a job that cannot start does not keep a later one from starting on other GPUs. Cost: O(jobs * GPUs) plus a
+sort, never quadratic in the number of jobs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from gpu_mon.config import QueueSection
+from gpu_mon.engine.decisions import Reason
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+
+FAILED_DEPENDENCY = (J.FAILED, J.CANCELLED, J.PREEMPTED, J.TIMEOUT)
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """One queue GPU as the policy saw it in this round."""
+
+    uuid: str
+    busy: bool
+    reason: Optional[Reason] = None  # the first reason it is busy
+    free_since: Optional[float] = None
+    workload: str = ""  # the key of a [process-*] workload running on it
+    workload_stopping: bool = False
+
+
+@dataclass(frozen=True)
+class StartJob:
+    job: int
+    gpus: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PreemptJob:
+    """Someone else uses one of the job's GPUs: stop it (urgently), back to the queue."""
+
+    job: int
+    gpu: str
+    reason: Optional[Reason]
+
+
+@dataclass(frozen=True)
+class TimeUp:
+    job: int
+
+
+@dataclass(frozen=True)
+class CancelJob:
+    """One of its --after jobs ended without success (or does not exist)."""
+
+    job: int
+    after: int
+    after_state: str  # "" when that job does not exist
+
+
+@dataclass(frozen=True)
+class PreemptWorkload:
+    """A queued job takes this workload's GPU (the workload gets its full grace)."""
+
+    workload: str
+    job: int
+    gpu: str
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why a queued job does not start now. kind: busy (gpu, reason), taken (gpu, by_job or by_workload),
+    after (after), running_limit / gpu_limit (count, limit), ahead (count), start_delay (until),
+    too_many_gpus (count: the queue's GPUs)."""
+
+    kind: str
+    gpu: str = ""
+    reason: Optional[Reason] = None
+    by_job: int = 0
+    by_workload: str = ""
+    after: int = 0
+    count: int = 0
+    limit: int = 0
+    until: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    starts: Tuple[StartJob, ...] = ()
+    preempt_jobs: Tuple[PreemptJob, ...] = ()
+    time_up: Tuple[TimeUp, ...] = ()
+    cancels: Tuple[CancelJob, ...] = ()
+    preempt_workloads: Tuple[PreemptWorkload, ...] = ()
+    waiting: Dict[int, Waiting] = field(default_factory=dict)
+    claimed: Dict[str, int] = field(default_factory=dict)  # GPU -> job that runs on it or will soon
+    next_wake: Optional[float] = None
+
+
+@dataclass
+class _Users:
+    """Per user: GPUs and jobs running (this round's starts included), GPU-seconds over the window."""
+
+    running: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    gpus: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    usage: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+def _users(jobs: Sequence[Job], now: float, window: float) -> _Users:
+    u = _Users()
+    for j in jobs:
+        if j.state in J.LIVE:
+            u.running[j.user] += 1
+            u.gpus[j.user] += len(j.gpus)
+            u.usage[j.user] += j.gpu_seconds + max(0.0, now - (j.started or now)) * len(j.gpus)
+        elif j.gpu_seconds and (j.ended is None or j.ended >= now - window):
+            u.usage[j.user] += j.gpu_seconds
+    return u
+
+
+def _running(jobs: Sequence[Job], gpus: Dict[str, GpuView], now: float, wall: float, out: dict) -> None:
+    """Stops for running jobs: someone else on one of their GPUs, or their time is up (job times are
+    wall-clock, wakes monotonic)."""
+    for j in jobs:
+        if j.state != J.RUNNING:
+            continue
+        busy = [u for u in j.gpus if u in gpus and gpus[u].busy]
+        if busy:
+            out["preempt"].append(PreemptJob(j.id, busy[0], gpus[busy[0]].reason))
+        elif j.time_limit is not None and j.started is not None:
+            end = j.started + j.time_limit
+            if wall >= end:
+                out["time_up"].append(TimeUp(j.id))
+            else:
+                out["wakes"].append(now + (end - wall))
+
+
+def _dependency(job: Job, by_id: Dict[int, Job]) -> Tuple[Optional[CancelJob], Optional[Waiting]]:
+    for dep_id in job.after:
+        dep = by_id.get(dep_id)
+        if dep is None or dep.state in FAILED_DEPENDENCY:
+            return CancelJob(job.id, dep_id, dep.state if dep else ""), None
+    for dep_id in job.after:
+        if by_id[dep_id].state != J.DONE:
+            return None, Waiting("after", after=dep_id)
+    return None, None
+
+
+def _order(cands: List[Job], users: _Users, fair: bool) -> List[Job]:
+    """Candidates in the order they may take GPUs."""
+    cands.sort(key=lambda j: (-j.priority, j.id))
+    if not fair:
+        return cands
+    per_user: Dict[str, List[Job]] = defaultdict(list)
+    for j in cands:
+        per_user[j.user].append(j)
+    heap = [(users.usage[u], users.gpus[u], -js[0].priority, js[0].id, u, 0) for u, js in per_user.items()]
+    heapq.heapify(heap)
+    out: List[Job] = []
+    taken: Dict[str, int] = defaultdict(int)
+    while heap:
+        _usage, _gpus, _p, _id, user, at = heapq.heappop(heap)
+        job = per_user[user][at]
+        out.append(job)
+        taken[user] += job.gpus_wanted  # a user's next job ranks behind others' first ones
+        if at + 1 < len(per_user[user]):
+            nxt = per_user[user][at + 1]
+            heapq.heappush(
+                heap, (users.usage[user], users.gpus[user] + taken[user], -nxt.priority, nxt.id, user, at + 1)
+            )
+    return out
+
+
+class _Placer:
+    def __init__(self, gpus: Sequence[GpuView], q: QueueSection, delay: float, now: float, users: _Users):
+        self.gpus, self.q, self.delay, self.now, self.users = list(gpus), q, delay, now, users
+        self.claimed: Dict[str, int] = {}
+        self.starts: List[StartJob] = []
+        self.preempt_workloads: List[PreemptWorkload] = []
+        self.wakes: List[float] = []
+        self.waiting_before = 0
+
+    def place(self, job: Job) -> Optional[Waiting]:
+        """Start it, or claim GPUs for it (a workload to stop, a start delay), or say why it waits."""
+        wait = self._limits(job)
+        if wait is None:
+            wait = self._gpus_for(job)
+        if wait is not None and wait.kind in ("busy", "taken", "ahead"):
+            self.waiting_before += 1  # it waits for GPUs: the jobs after it are behind it
+        return wait
+
+    def _limits(self, job: Job) -> Optional[Waiting]:
+        q, u = self.q, self.users
+        if q.max_gpus_per_job and job.gpus_wanted > q.max_gpus_per_job:
+            return Waiting("gpu_limit", count=job.gpus_wanted, limit=q.max_gpus_per_job)
+        if job.gpus_wanted > len(self.gpus):
+            return Waiting("too_many_gpus", count=len(self.gpus))
+        if q.max_running_per_user and u.running[job.user] >= q.max_running_per_user:
+            return Waiting("running_limit", count=u.running[job.user], limit=q.max_running_per_user)
+        if q.max_gpus_per_user and u.gpus[job.user] + job.gpus_wanted > q.max_gpus_per_user:
+            return Waiting("gpu_limit", count=u.gpus[job.user], limit=q.max_gpus_per_user)
+        return None
+
+    def _gpus_for(self, job: Job) -> Optional[Waiting]:
+        usable = [g for g in self.gpus if not g.busy and g.uuid not in self.claimed]
+        if not self.q.preempt_workloads:
+            usable = [g for g in usable if not g.workload]
+        usable.sort(key=lambda g: bool(g.workload))  # GPUs nobody of ours uses first
+        if len(usable) < job.gpus_wanted:
+            return self._why_not(job)
+        chosen = usable[: job.gpus_wanted]
+        for g in chosen:
+            self.claimed[g.uuid] = job.id
+        self.users.running[job.user] += 1
+        self.users.gpus[job.user] += job.gpus_wanted
+        with_workload = [g for g in chosen if g.workload]
+        if with_workload:
+            for g in with_workload:
+                if not g.workload_stopping:
+                    self.preempt_workloads.append(PreemptWorkload(g.workload, job.id, g.uuid))
+            return Waiting("taken_for", gpu=with_workload[0].uuid, by_workload=with_workload[0].workload)
+        ready_at = max((g.free_since if g.free_since is not None else self.now) for g in chosen) + self.delay
+        if ready_at > self.now:
+            self.wakes.append(ready_at)
+            return Waiting("start_delay", until=ready_at)
+        self.starts.append(StartJob(job.id, tuple(g.uuid for g in chosen)))
+        return None
+
+    def _why_not(self, job: Job) -> Waiting:
+        if self.waiting_before:
+            return Waiting("ahead", count=self.waiting_before)
+        for g in self.gpus:
+            if g.busy:
+                return Waiting("busy", gpu=g.uuid, reason=g.reason)
+        for g in self.gpus:
+            if g.uuid in self.claimed:
+                return Waiting("taken", gpu=g.uuid, by_job=self.claimed[g.uuid])
+            if g.workload:
+                return Waiting("taken", gpu=g.uuid, by_workload=g.workload)
+        return Waiting("ahead", count=0)
+
+
+def place(
+    jobs: Sequence[Job],
+    gpus: Sequence[GpuView],
+    q: QueueSection,
+    start_delay: float,
+    now: float,
+    wall: float,
+) -> Placement:
+    """Decide the queue's round. `now` is the monotonic time of the GPUs' views (free_since), `wall` the
+    wall-clock time of the jobs' times. Pure: inputs are not changed."""
+    by_id = {j.id: j for j in jobs}
+    views = {g.uuid: g for g in gpus}
+    out: dict = {"preempt": [], "time_up": [], "wakes": []}
+    _running(jobs, views, now, wall, out)
+    users = _users(jobs, wall, q.fair_window_hours * 3600)
+    placer = _Placer(gpus, q, start_delay, now, users)
+    for j in jobs:
+        if j.state in J.LIVE:
+            for u in j.gpus:
+                placer.claimed[u] = j.id
+    cancels: List[CancelJob] = []
+    waiting: Dict[int, Waiting] = {}
+    cands: List[Job] = []
+    for j in jobs:
+        if j.state not in (J.QUEUED, J.HELD) or not j.after:
+            if j.state == J.QUEUED:
+                cands.append(j)
+            continue
+        cancel, wait = _dependency(j, by_id)
+        if cancel is not None:
+            cancels.append(cancel)
+        elif wait is not None and j.state == J.QUEUED:
+            waiting[j.id] = wait
+        elif j.state == J.QUEUED:
+            cands.append(j)
+    for j in _order(cands, users, q.order == "fair"):
+        wait = placer.place(j)
+        if wait is not None:
+            waiting[j.id] = wait
+    wakes = out["wakes"] + placer.wakes
+    return Placement(
+        starts=tuple(placer.starts),
+        preempt_jobs=tuple(out["preempt"]),
+        time_up=tuple(out["time_up"]),
+        cancels=tuple(cancels),
+        preempt_workloads=tuple(placer.preempt_workloads),
+        waiting=waiting,
+        claimed=dict(placer.claimed),
+        next_wake=min(wakes) if wakes else None,
+    )

@@ -1,0 +1,88 @@
+"""The queue socket's frames: a 4-byte big-endian length, then that many bytes of one JSON object.
+
+A frame over MAX_FRAME, a length that is not followed by a JSON object, or anything else that is not a
+frame is a ProtocolError (one line). The client side (`request`) is here too: one request, one answer.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from typing import Optional
+
+MAX_FRAME = 1 << 20  # a submit's 64 KiB command and 256 KiB environment fit, escaped, with room to spare
+_HEADER = struct.Struct(">I")
+
+
+class ProtocolError(Exception):
+    """Bytes that are not a frame; str() is one line."""
+
+
+class NoDaemon(Exception):
+    """Nothing answers on the socket; str() is one line."""
+
+
+def encode(obj: dict) -> bytes:
+    """One frame."""
+    body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"message too large ({len(body)} bytes; at most {MAX_FRAME})")
+    return _HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """Collects bytes until one whole frame is there."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def feed(self, data: bytes) -> Optional[dict]:
+        """Add bytes; the object once its frame is complete, else None; ProtocolError for a bad frame."""
+        self.buf += data
+        if len(self.buf) < _HEADER.size:
+            return None
+        (size,) = _HEADER.unpack_from(self.buf)
+        if size > MAX_FRAME:
+            raise ProtocolError(f"frame too large ({size} bytes; at most {MAX_FRAME})")
+        if len(self.buf) < _HEADER.size + size:
+            return None
+        body = self.buf[_HEADER.size : _HEADER.size + size]
+        try:
+            obj = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ProtocolError("not a JSON message") from None
+        if not isinstance(obj, dict):
+            raise ProtocolError("not a JSON object")
+        return obj
+
+
+def request(path: str, obj: dict, timeout: float = 30.0) -> dict:
+    """Send one request to the daemon and return its answer; NoDaemon when nothing listens there."""
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise NoDaemon(
+                f"no gpu-mon daemon answers on {path} (is it running with a [queue] section?)"
+            ) from None
+        except PermissionError:
+            raise NoDaemon(f"{path}: permission denied") from None
+        sock.sendall(encode(obj))
+        reader = FrameReader()
+        while True:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            data = sock.recv(65536)
+            if not data:
+                raise NoDaemon(f"the daemon on {path} closed the connection without an answer")
+            answer = reader.feed(data)
+            if answer is not None:
+                return answer
+    except socket.timeout:
+        raise NoDaemon(f"the daemon on {path} did not answer within {timeout:g} s") from None
+    finally:
+        sock.close()

@@ -1,0 +1,366 @@
+"""What the queue socket's requests do: submit, jobs, cancel, hold, release, logs-path.
+
+The user is whoever the kernel says is on the other end (`Peer`, from SO_PEERCRED), never what the
+request says. Every refusal is one line for that client (`{"ok": false, "error": ..., "code": 1|2}`:
+1 not allowed or over a limit, 2 bad usage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import pwd
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from gpu_mon.api.text import sanitize
+from gpu_mon.config import QueueSection
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.placement import Waiting
+from gpu_mon.queue.store import Refused, Store
+from gpu_mon.queue.words import waiting as waiting_words
+
+MAX_COMMAND = 64 * 1024
+MAX_ENV = 256 * 1024
+MAX_NAME = 64
+DEFAULT_OUTPUT = ".local/state/gpu-mon/jobs"  # under the user's home: ID.log
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is on the other end of a connection, as the kernel says."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+class Bad(Exception):
+    """A refusal: str() is the line, `code` 1 (not allowed, a limit) or 2 (bad usage)."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class View:
+    """What the daemon last decided, for `jobs`: waiting reasons and GPU indices."""
+
+    waiting: Dict[int, Waiting] = dataclasses.field(default_factory=dict)
+    index_of: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def default_output(home: str, job_id: int) -> str:
+    """Where a job's output goes without --output."""
+    return os.path.join(home, DEFAULT_OUTPUT, f"{job_id}.log")
+
+
+class Requests:
+    """Answers one request at a time (the server calls it from its own thread)."""
+
+    def __init__(
+        self, store: Store, queue: QueueSection, view: Callable[[], View], changed: Callable[[], None]
+    ):
+        self.store, self.queue, self.view, self.changed = store, queue, view, changed
+
+    def answer(self, peer: Peer, req: dict) -> dict:
+        """The answer to one request (never raises for bad input)."""
+        op = req.get("op")
+        handler = {
+            "submit": self._submit,
+            "jobs": self._jobs,
+            "cancel": self._cancel,
+            "hold": self._hold,
+            "release": self._release,
+            "logs-path": self._logs_path,
+        }.get(op if isinstance(op, str) else "")
+        if handler is None:
+            return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
+        try:
+            user = _user(peer.uid)
+            return {"ok": True, **handler(peer, user, req)}
+        except Bad as err:
+            return {"ok": False, "error": str(err), "code": err.code}
+
+    # ------------------------------------------------------------------ submit
+
+    def _submit(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        self._allowed(user)
+        job = self._job_from(peer, user, req)
+        try:
+            job, ahead = self.store.submit(job, self.queue.max_queued_per_user)
+        except Refused as err:
+            raise Bad(str(err), 1) from None
+        self.changed()
+        return {"id": job.id, "state": job.state, "ahead": ahead}
+
+    def _allowed(self, user: pwd.struct_passwd) -> None:
+        q = self.queue
+        if user.pw_uid == 0 or (not q.users and not q.groups) or user.pw_name in q.users:
+            return
+        if q.groups:
+            mine = {g.gr_name for g in _groups_of(user)}
+            if mine & set(q.groups):
+                return
+        raise Bad(f"{user.pw_name} may not submit jobs here ([queue] users and groups)", 1)
+
+    def _job_from(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Job:
+        q = self.queue
+        command = req.get("command")
+        if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+            raise Bad("no command given (gpu-mon submit [OPTIONS] -- COMMAND [ARGS...])")
+        size = sum(len(a.encode("utf-8", "surrogateescape")) + 1 for a in command)
+        if size > MAX_COMMAND or any("\0" in a for a in command):
+            raise Bad(
+                f"command too long ({size} bytes; at most {MAX_COMMAND})"
+                if size > MAX_COMMAND
+                else "NUL in command"
+            )
+        env = req.get("env") or {}
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise Bad("env must be an object of strings")
+        env_size = sum(len(k) + len(v) + 2 for k, v in env.items())
+        if env_size > MAX_ENV:
+            raise Bad(f"environment too large ({env_size} bytes; at most {MAX_ENV})")
+        name = _text(req, "name", "")
+        if len(name) > MAX_NAME:
+            raise Bad(f"name too long ({len(name)} characters; at most {MAX_NAME})")
+        cwd = _text(req, "cwd", "")
+        if not os.path.isabs(cwd):
+            raise Bad("the submit directory must be an absolute path")
+        gpus = _int(req, "gpus", 1, 1)
+        if q.max_gpus_per_job and gpus > q.max_gpus_per_job:
+            raise Bad(f"--gpus {gpus} is over the limit of {q.max_gpus_per_job} per job", 1)
+        grace = _number(req, "grace", q.grace_seconds)
+        if grace > q.max_grace_seconds:
+            raise Bad(f"--grace {grace:g} is over the limit of {q.max_grace_seconds:g} s", 1)
+        after = req.get("after") or []
+        if not isinstance(after, list) or not all(
+            isinstance(a, int) and not isinstance(a, bool) for a in after
+        ):
+            raise Bad("--after takes job ids")
+        for dep in after:
+            if self.store.get(dep) is None:
+                raise Bad(f"--after {dep}: no such job")
+        output = _text(req, "output", "")
+        if output and not os.path.isabs(output):
+            raise Bad("--output must be an absolute path")
+        limit = req.get("time_limit")
+        if limit is not None:
+            limit = _number(req, "time_limit", 0.0)
+            if limit <= 0:
+                raise Bad("--time-limit must be more than 0")
+        return Job(
+            id=0,
+            user=user.pw_name,
+            uid=user.pw_uid,
+            gid=user.pw_gid,
+            command=tuple(command),
+            cwd=cwd,
+            env=tuple(env.items()),
+            output=output,
+            submitted=time.time(),
+            name=name,
+            gpus_wanted=gpus,
+            priority=_int(req, "priority", 0, -1000000),
+            after=tuple(after),
+            stop_signal=_signal(req.get("stop_signal", "SIGTERM")),
+            grace=grace,
+            time_limit=limit,
+            requeue=bool(req.get("requeue", True)),
+            state=J.HELD if req.get("hold") else J.QUEUED,
+        )
+
+    # ------------------------------------------------------------------ jobs
+
+    def _jobs(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        view = self.view()
+        now = time.time()
+        want_user, want_state = req.get("user"), req.get("state")
+        ids = set(req.get("ids") or [])
+        every = bool(req.get("all")) or bool(ids) or want_state in J.ENDED
+        out = []
+        for j in self.store.all():
+            if ids and j.id not in ids:
+                continue
+            if (want_user and j.user != want_user) or (want_state and j.state != want_state):
+                continue
+            if not every and j.state in J.ENDED:
+                continue
+            out.append(describe(j, view, now))
+        return {"jobs": out}
+
+    # ------------------------------------------------------------------ cancel, hold, release, logs
+
+    def _mine(self, peer: Peer, user: pwd.struct_passwd, job_id: object) -> Job:
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise Bad(f"{sanitize(str(job_id))[:40]!r} is not a job id")
+        job = self.store.get(job_id)
+        if job is None:
+            raise Bad(f"job {job_id}: no such job", 1)
+        if peer.uid != 0 and job.uid != peer.uid:
+            raise Bad(f"job {job_id} is {job.user}'s, not yours", 1)
+        return job
+
+    def _each(self, peer: Peer, user: pwd.struct_passwd, req: dict, change: Callable[[Job], Job]) -> dict:
+        ids = req.get("ids")
+        if not isinstance(ids, list) or not ids:
+            raise Bad("no job ids given")
+        results: List[dict] = []
+        for job_id in ids:
+            try:
+                self._mine(peer, user, job_id)
+                new = self.store.change(job_id, change)
+                state = new.state if new is not None else self.store.jobs[job_id].state
+                results.append({"id": job_id, "ok": True, "state": state})
+            except Bad as err:
+                results.append({"id": job_id, "ok": False, "error": str(err), "code": err.code})
+        self.changed()
+        return {"results": results}
+
+    def _cancel(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        who = user.pw_name
+
+        def cancel(job: Job) -> Job:
+            if job.state in (J.QUEUED, J.HELD):
+                return J.cancelled(job, time.time(), f"cancelled by {who}")
+            if job.state == J.RUNNING:
+                return J.stopping(job, J.STOP_CANCEL)
+            if job.state == J.STOPPING and job.reason != J.STOP_CANCEL:
+                return dataclasses.replace(job, reason=J.STOP_CANCEL)
+            if job.state == J.STOPPING:
+                return job
+            raise Bad(f"job {job.id} has already ended ({job.state})", 1)
+
+        return self._each(peer, user, req, cancel)
+
+    def _hold(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        def hold(job: Job) -> Job:
+            if job.state == J.HELD:
+                return job
+            if job.state != J.QUEUED:
+                raise Bad(f"job {job.id} is {job.state}: only a queued job can be held", 1)
+            return J.held(job)
+
+        return self._each(peer, user, req, hold)
+
+    def _release(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        def release(job: Job) -> Job:
+            if job.state != J.HELD:
+                raise Bad(f"job {job.id} is {job.state}, not held", 1)
+            return J.released(job)
+
+        return self._each(peer, user, req, release)
+
+    def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        job = self._mine(peer, user, req.get("id"))
+        return {"path": output_of(job), "state": job.state}
+
+
+def output_of(job: Job) -> str:
+    """Where the job's output goes."""
+    if job.output:
+        return job.output
+    try:
+        home = pwd.getpwuid(job.uid).pw_dir
+    except KeyError:
+        home = "/nonexistent"
+    return default_output(home, job.id)
+
+
+def describe(j: Job, view: View, now: float) -> dict:
+    """A job as `jobs --json` shows it."""
+    reason = j.reason
+    if j.state == J.QUEUED and j.id in view.waiting:
+        reason = waiting_words(view.waiting[j.id], j.user, view.index_of, now)
+    elif j.state == J.HELD:
+        reason = "held"
+    return {
+        "id": j.id,
+        "user": j.user,
+        "name": j.name,
+        "state": j.state,
+        "reason": reason,
+        "gpus": list(j.gpus) if j.state in J.LIVE else [],
+        "gpu_indices": [view.index_of.get(u) for u in j.gpus] if j.state in J.LIVE else [],
+        "gpus_wanted": j.gpus_wanted,
+        "priority": j.priority,
+        "submitted": _iso(j.submitted),
+        "started": _iso(j.started),
+        "ended": _iso(j.ended),
+        "restarts": j.restarts,
+        "exit_status": j.exit_status,
+        "command": list(j.command),
+    }
+
+
+def _iso(t: Optional[float]) -> Optional[str]:
+    if t is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def _user(uid: int) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwuid(uid)
+    except KeyError:
+        raise Bad(f"uid {uid} has no user name on this host", 1) from None
+
+
+def _groups_of(user: pwd.struct_passwd) -> List[grp.struct_group]:
+    out = []
+    for gid in os.getgrouplist(user.pw_name, user.pw_gid):
+        try:
+            out.append(grp.getgrgid(gid))
+        except KeyError:
+            continue
+    return out
+
+
+def groups_of(uid: int, gid: int) -> Tuple[int, ...]:
+    """The user's supplementary groups (as a login gives them)."""
+    try:
+        return tuple(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except KeyError:
+        return (gid,)
+
+
+def _text(req: dict, key: str, default: str) -> str:
+    value = req.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, str) or "\0" in value:
+        raise Bad(f"{key} must be text")
+    return value
+
+
+def _int(req: dict, key: str, default: int, minimum: int) -> int:
+    value = req.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise Bad(f"{key} must be a whole number of at least {minimum}")
+    return value
+
+
+def _number(req: dict, key: str, default: float) -> float:
+    value = req.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 366 * 86400:
+        raise Bad(f"{key} must be a number of seconds (at most a year)")
+    return float(value)
+
+
+def _signal(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < signal.NSIG:
+        return value
+    if isinstance(value, str):
+        name = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
+        sig = getattr(signal.Signals, name, None) if name in signal.Signals.__members__ else None
+        if sig is not None and sig not in (signal.SIGKILL, signal.SIGSTOP):
+            return int(sig)
+    raise Bad(f"--stop-signal {sanitize(str(value))[:20]!r} is not a signal name")

@@ -1,0 +1,193 @@
+"""The queue's database: an embedded SQLite file (WAL, synchronous=FULL: a write is on disk when it returns)
+and an in-memory copy of every job that reads use. Every change is committed before it is acknowledged.
+
+One table, `jobs`: the columns reads would filter on (user, state, times) and the whole job as JSON. The
+file carries its own application id and schema version; a damaged or foreign file is moved aside (one log
+line) and a new one started. Thread-safe: the socket server and the daemon's loop both write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from gpu_mon.api import historydb
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+
+log = logging.getLogger("gpu_mon")
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x67706D71  # "gpmq": marks the file as gpu-mon's queue
+_SCHEMA_V1 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, state TEXT NOT NULL,
+    submitted REAL NOT NULL, ended REAL, data TEXT NOT NULL);
+CREATE INDEX jobs_by_state ON jobs (state);
+CREATE INDEX jobs_by_user_state ON jobs (user, state);
+"""
+_TUPLES = ("command", "after", "gpus")
+
+
+class NotOurs(Exception):
+    """The file is not a usable gpu-mon queue; str() says how."""
+
+
+class Refused(Exception):
+    """A change the store will not make (a limit); str() is one line for the user."""
+
+
+def _to_row(job: Job) -> str:
+    data = dataclasses.asdict(job)
+    data.pop("id")
+    data["env"] = dict(job.env)
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _from_row(job_id: int, text: str) -> Job:
+    data = json.loads(text)
+    for key in _TUPLES:
+        data[key] = tuple(data.get(key) or ())
+    data["env"] = tuple((str(k), str(v)) for k, v in (data.get("env") or {}).items())
+    known = {f.name for f in dataclasses.fields(Job)}
+    return Job(id=job_id, **{k: v for k, v in data.items() if k in known})
+
+
+def _connect(path: str):
+    """Open (creating) and check the file; NotOurs when it is damaged, foreign or newer."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
+    conn = historydb.connect_plain(path)
+    try:
+        if fresh:
+            os.chmod(path, 0o600)  # the jobs' environments: root's alone
+            conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        elif conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+            raise NotOurs("not a gpu-mon queue database (another application's file)")
+        elif conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise NotOurs("damaged")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        _migrate(conn)
+    except (historydb.Error, NotOurs) as err:
+        conn.close()
+        raise NotOurs(str(err)) from None
+    return conn
+
+
+def _migrate(conn) -> None:
+    has = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='schema_version'").fetchone()
+    row = conn.execute("SELECT version FROM schema_version").fetchone() if has else None
+    current = int(row[0]) if row else 0
+    if current > SCHEMA_VERSION:
+        raise NotOurs(f"written by a newer gpu-mon (schema {current}; this one knows {SCHEMA_VERSION})")
+    if current == 0:
+        conn.executescript(f"BEGIN; {_SCHEMA_V1} INSERT INTO schema_version VALUES (1); COMMIT;")
+
+
+class Store:
+    """The queue's jobs, on disk and in memory."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.jobs: Dict[int, Job] = {}
+        self.version = 0  # raised on every change (the daemon re-places jobs when it moves)
+        for job_id, text in conn.execute("SELECT id, data FROM jobs ORDER BY id"):
+            self.jobs[job_id] = _from_row(job_id, text)
+
+    @classmethod
+    def open(cls, path: str, now: float) -> Store:
+        """Open the database; a damaged or foreign file is moved aside with one log line."""
+        try:
+            return cls(_connect(path))
+        except NotOurs as err:
+            aside = historydb.move_aside(path, now)
+            log.warning(
+                "queue: %s is unusable (%s): moved aside to %s; starting an empty queue", path, err, aside
+            )
+            return cls(_connect(path))
+
+    def close(self) -> None:
+        """Close the database."""
+        with self.lock:
+            self.conn.close()
+
+    # ------------------------------------------------------------------ reads (from memory)
+
+    def all(self) -> List[Job]:
+        """Every job, in submission order."""
+        with self.lock:
+            return list(self.jobs.values())
+
+    def get(self, job_id: int) -> Optional[Job]:
+        """One job, or None."""
+        with self.lock:
+            return self.jobs.get(job_id)
+
+    def unfinished(self, user: str) -> int:
+        """How many of this user's jobs have not ended."""
+        with self.lock:
+            return sum(1 for j in self.jobs.values() if j.user == user and j.state not in J.ENDED)
+
+    # ------------------------------------------------------------------ writes (committed before they return)
+
+    def submit(self, job: Job, max_unfinished: int) -> Tuple[Job, int]:
+        """Add a job (its id is given here); return it and how many queued jobs are ahead of it.
+        Refused when the user already has `max_unfinished` jobs that have not ended."""
+        with self.lock:
+            mine = sum(1 for j in self.jobs.values() if j.user == job.user and j.state not in J.ENDED)
+            if mine >= max_unfinished:
+                raise Refused(f"{job.user} already has {mine} unfinished jobs (limit {max_unfinished})")
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self.conn.execute(
+                    "INSERT INTO jobs (user, state, submitted, ended, data) VALUES (?, ?, ?, ?, ?)",
+                    (job.user, job.state, job.submitted, job.ended, _to_row(job)),
+                )
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            job = dataclasses.replace(job, id=int(cur.lastrowid))
+            ahead = sum(1 for j in self.jobs.values() if j.state == J.QUEUED)
+            self.jobs[job.id] = job
+            self.version += 1
+            return job, ahead
+
+    def change(self, job_id: int, edit: Callable[[Job], Optional[Job]]) -> Optional[Job]:
+        """Apply `edit` to the job as it is now and write the result; None when there is no such job or
+        `edit` changes nothing (returns None or the job itself). An exception from `edit` writes nothing."""
+        return self.change_many([(job_id, edit)])[0]
+
+    def change_many(self, edits: Iterable[Tuple[int, Callable[[Job], Optional[Job]]]]) -> List[Optional[Job]]:
+        """Several `change`s in one transaction (each edit sees the job as it is now, so a change made by
+        another thread in between is never overwritten with an old copy)."""
+        with self.lock:
+            out: List[Optional[Job]] = []
+            for job_id, edit in edits:
+                current = self.jobs.get(job_id)
+                new = edit(current) if current is not None else None
+                out.append(None if new is None or new is current else new)
+            changed = [j for j in out if j is not None]
+            if not changed:
+                return out
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.executemany(
+                    "UPDATE jobs SET state = ?, ended = ?, data = ? WHERE id = ?",
+                    [(j.state, j.ended, _to_row(j), j.id) for j in changed],
+                )
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            for j in changed:
+                self.jobs[j.id] = j
+            self.version += 1
+            return out

@@ -1,0 +1,42 @@
+"""The queue's typed decisions in words, as `jobs` shows them (in the words `status` uses for workloads)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from gpu_mon.api.text import sanitize
+from gpu_mon.engine import words
+from gpu_mon.queue.placement import Waiting
+
+
+def _gpu(uuid: str, index_of: Dict[str, int]) -> str:
+    index = index_of.get(uuid)
+    return f"GPU {index}" if index is not None else uuid
+
+
+def waiting(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
+    """`waiting: GPU 1 busy: bob python3[4242] holds /dev/nvidia1`, `waiting: after job 16`, ..."""
+    return "waiting: " + _why(w, user, index_of, now)
+
+
+def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
+    if w.kind == "busy":
+        return f"{_gpu(w.gpu, index_of)} busy: {words.reason(w.reason) if w.reason else 'unsure'}"
+    if w.kind == "after":
+        return f"after job {w.after}"
+    if w.kind == "running_limit":
+        return f"{sanitize(user)} has {w.count} running (limit {w.limit})"
+    if w.kind == "gpu_limit":
+        return f"{sanitize(user)} has {w.count} GPUs (limit {w.limit})"
+    if w.kind == "ahead":
+        return f"{w.count} job{'s' if w.count != 1 else ''} ahead"
+    if w.kind == "start_delay":
+        return f"GPU free, starting in {words.duration(max(0.0, (w.until or now) - now))}"
+    if w.kind == "taken" and w.by_job:
+        return f"{_gpu(w.gpu, index_of)} taken by job {w.by_job}"
+    if w.kind in ("taken", "taken_for"):
+        doing = "stopping" if w.kind == "taken_for" else "taken by"
+        return f"{_gpu(w.gpu, index_of)} {doing} workload {sanitize(w.by_workload)}"
+    if w.kind == "too_many_gpus":
+        return f"wants more GPUs than the queue has ({w.count})"
+    return w.kind
