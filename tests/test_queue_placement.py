@@ -1,0 +1,160 @@
+"""Pure placement: the queue's decisions from jobs, GPU views, limits and order (no I/O, no clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpu_mon.config import QueueSection
+from gpu_mon.engine.decisions import Busy, Reason, Who
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.placement import (
+    CancelJob,
+    GpuView,
+    PreemptJob,
+    PreemptWorkload,
+    StartJob,
+    TimeUp,
+    Waiting,
+    place,
+)
+from gpu_mon.queue.words import waiting
+
+G0, G1 = "GPU-0", "GPU-1"
+NOW, WALL = 1000.0, 1_700_000_000.0
+BOB = Reason(Busy.HOLDER, who=Who("bob", "python3", 4242), path="/dev/nvidia1")
+
+
+def job(i: int, user: str = "alice", **kw: object) -> Job:
+    base = dict(
+        id=i, user=user, uid=1000, gid=1000, command=("x",), cwd="/", env=(), output="", submitted=WALL
+    )
+    base.update(kw)
+    return Job(**base)  # type: ignore[arg-type]
+
+
+def free(uuid: str, since: float = 0.0, **kw: object) -> GpuView:
+    return GpuView(uuid, False, None, since, **kw)  # type: ignore[arg-type]
+
+
+TWO_FREE = (free(G0), free(G1))
+
+
+def run(jobs, gpus=TWO_FREE, delay=0.0, **queue: object):
+    return place(jobs, gpus, QueueSection(**queue), delay, NOW, WALL)  # type: ignore[arg-type]
+
+
+def test_a_queued_job_starts_on_a_free_gpu_and_the_next_one_on_the_other():
+    p = run([job(1), job(2, "bob"), job(3)])
+    assert p.starts == (StartJob(1, (G0,)), StartJob(2, (G1,)))
+    assert p.waiting == {3: Waiting("taken", gpu=G0, by_job=1)}
+    assert p.claimed == {G0: 1, G1: 2}
+
+
+def test_a_busy_gpu_is_never_used_and_the_first_waiter_says_why_the_rest_how_many_are_ahead():
+    gpus = (GpuView(G0, True, BOB), GpuView(G1, True, BOB))
+    p = run([job(1), job(2), job(3)], gpus)
+    assert p.starts == ()
+    assert p.waiting[1] == Waiting("busy", gpu=G0, reason=BOB)
+    assert p.waiting[2] == Waiting("ahead", count=1)
+    assert p.waiting[3] == Waiting("ahead", count=2)
+    index = {G0: 0, G1: 1}
+    assert waiting(p.waiting[1], "alice", index, NOW) == (
+        "waiting: GPU 0 busy: bob python3[4242] holds /dev/nvidia1"
+    )
+    assert waiting(p.waiting[3], "alice", index, NOW) == "waiting: 2 jobs ahead"
+
+
+def test_someone_else_on_a_running_jobs_gpu_preempts_it():
+    running = job(1, state=J.RUNNING, gpus=(G0,), started=WALL - 5)
+    p = run([running], (GpuView(G0, True, BOB), free(G1)))
+    assert p.preempt_jobs == (PreemptJob(1, G0, BOB),)
+    assert p.starts == ()
+
+
+def test_the_start_delay_is_waited_for_and_woken_up_for():
+    p = run([job(1)], (free(G0, since=NOW - 1),), delay=5.0)
+    assert p.starts == () and p.waiting[1] == Waiting("start_delay", until=NOW + 4)
+    assert p.next_wake == NOW + 4
+
+
+def test_fifo_runs_one_users_ten_jobs_before_anothers_one_and_fair_does_not():
+    jobs = [job(i) for i in range(1, 11)] + [job(11, "bob")]
+    fifo = run(jobs, (free(G0), free(G1)), order="fifo")
+    assert [s.job for s in fifo.starts] == [1, 2]
+    fair = run(jobs, (free(G0), free(G1)), order="fair")
+    assert [s.job for s in fair.starts] == [1, 11]
+
+
+def test_fair_puts_the_user_with_fewer_gpu_seconds_first_then_priority():
+    used = job(1, state=J.DONE, gpu_seconds=3600.0, ended=WALL - 60)
+    jobs = [used, job(2), job(3, "bob"), job(4, "carol", priority=5)]
+    p = run(jobs, (free(G0),), order="fair")
+    assert p.starts == (StartJob(4, (G0,)),)  # carol and bob have used nothing; carol's priority is higher
+    old = dataclasses.replace(used, ended=WALL - 2 * 86400)  # outside the 24 h window: it no longer counts
+    p = run([old, job(2), job(3, "bob")], (free(G0),), order="fair")
+    assert p.starts == (StartJob(2, (G0,)),)
+
+
+def test_limits_per_user():
+    running = job(1, state=J.RUNNING, gpus=(G0,), started=WALL)
+    p = run([running, job(2), job(3, "bob")], max_running_per_user=1)
+    assert p.starts == (StartJob(3, (G1,)),)
+    assert p.waiting[2] == Waiting("running_limit", count=1, limit=1)
+    assert waiting(p.waiting[2], "alice", {}, NOW) == "waiting: alice has 1 running (limit 1)"
+    p = run([running, job(2, gpus_wanted=1)], max_gpus_per_user=1)
+    assert p.waiting[2] == Waiting("gpu_limit", count=1, limit=1)
+
+
+def test_after_waits_for_done_and_cancels_on_a_failed_dependency():
+    p = run([job(1, state=J.RUNNING, gpus=(G0,), started=WALL), job(2, after=(1,))])
+    assert p.waiting[2] == Waiting("after", after=1) and p.starts == ()
+    assert waiting(p.waiting[2], "alice", {}, NOW) == "waiting: after job 1"
+    p = run([job(1, state=J.DONE), job(2, after=(1,))])
+    assert p.starts == (StartJob(2, (G0,)),)
+    p = run([job(1, state=J.FAILED), job(2, after=(1,)), job(3, after=(9,), state=J.HELD)])
+    assert p.cancels == (CancelJob(2, 1, J.FAILED), CancelJob(3, 9, ""))
+
+
+def test_a_job_takes_a_gpu_from_a_workload_unless_told_not_to():
+    gpus = (free(G0, workload="miner"),)
+    p = run([job(1)], gpus)
+    assert p.preempt_workloads == (PreemptWorkload("miner", 1, G0),)
+    assert p.starts == () and p.claimed == {G0: 1}
+    p = run([job(1)], (free(G0, workload="miner", workload_stopping=True),))
+    assert p.preempt_workloads == () and p.claimed == {G0: 1}  # (already stopping: wait for it)
+    p = run([job(1)], gpus, preempt_workloads=False)
+    assert p.preempt_workloads == () and p.claimed == {}
+    assert p.waiting[1] == Waiting("taken", gpu=G0, by_workload="miner")
+
+
+def test_a_free_gpu_is_preferred_over_one_a_workload_uses():
+    p = run([job(1)], (free(G0, workload="miner"), free(G1)))
+    assert p.starts == (StartJob(1, (G1,)),) and p.preempt_workloads == ()
+
+
+def test_multi_gpu_jobs_and_too_many_gpus():
+    p = run([job(1, gpus_wanted=2)])
+    assert p.starts == (StartJob(1, (G0, G1)),)
+    p = run([job(1, gpus_wanted=3)])
+    assert p.waiting[1] == Waiting("too_many_gpus", count=2)
+
+
+def test_a_time_limit_ends_a_running_job_and_is_woken_up_for():
+    p = run([job(1, state=J.RUNNING, gpus=(G0,), started=WALL - 10, time_limit=5.0)])
+    assert p.time_up == (TimeUp(1),)
+    p = run([job(1, state=J.RUNNING, gpus=(G0,), started=WALL - 1, time_limit=5.0)])
+    assert p.time_up == () and p.next_wake == NOW + 4
+
+
+def test_held_and_ended_jobs_never_start():
+    p = run([job(1, state=J.HELD), job(2, state=J.CANCELLED), job(3, state=J.DONE)])
+    assert p.starts == () and p.waiting == {}
+
+
+def test_ten_thousand_queued_jobs_each_get_a_reason():
+    jobs = [job(i, f"user{i % 50}") for i in range(1, 10001)]
+    gpus = tuple(GpuView(f"GPU-{i}", True, BOB) for i in range(8))
+    p = run(jobs, gpus)
+    assert len(p.waiting) == 10000
+    assert sorted(w.count for w in p.waiting.values() if w.kind == "ahead") == list(range(1, 10000))

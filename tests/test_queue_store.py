@@ -1,0 +1,110 @@
+"""The queue's store: committed before a submit returns, read back by a new daemon, a bad file moved aside."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.store import Refused, Store
+
+
+def new_job(user: str = "alice", **kw: object) -> Job:
+    base = dict(
+        id=0,
+        user=user,
+        uid=1000,
+        gid=1000,
+        command=("python3", "train.py"),
+        cwd="/home/alice",
+        env=(("PATH", "/usr/bin"), ("X", "1")),
+        output="",
+        submitted=1.0,
+    )
+    base.update(kw)
+    return Job(**base)  # type: ignore[arg-type]
+
+
+def test_a_submitted_job_is_on_disk_before_submit_returns(tmp_path):
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, 0.0)
+    job, ahead = store.submit(new_job(after=(7,), stop_signal=10, time_limit=60.0), 1000)
+    assert (job.id, ahead) == (1, 0)
+    # Another process (another connection) sees it at once: committed, not waiting in a buffer.
+    code = (
+        "import sqlite3, sys\n"
+        "print(sqlite3.connect(sys.argv[1]).execute('select id, user, state from jobs').fetchall())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, path], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[(1, 'alice', 'queued')]"
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 1
+    assert os.stat(path).st_mode & 0o777 == 0o600  # the jobs' environments are root's alone
+    store.close()
+    again = Store.open(path, 0.0).get(1)
+    assert again == job and again.env_dict == {"PATH": "/usr/bin", "X": "1"}
+    assert (again.after, again.stop_signal, again.time_limit, again.command) == (
+        (7,),
+        10,
+        60.0,
+        ("python3", "train.py"),
+    )
+
+
+def test_ids_grow_and_ahead_counts_the_queued_ones(tmp_path):
+    store = Store.open(str(tmp_path / "q.sqlite"), 0.0)
+    ids = [store.submit(new_job(), 1000)[0].id for _ in range(3)]
+    store.change(ids[0], J.held)
+    job, ahead = store.submit(new_job("bob"), 1000)
+    assert ids == [1, 2, 3] and (job.id, ahead) == (4, 2)
+
+
+def test_a_user_over_max_queued_is_refused_in_one_line(tmp_path):
+    store = Store.open(str(tmp_path / "q.sqlite"), 0.0)
+    store.submit(new_job(), 2)
+    second, _ = store.submit(new_job(), 2)
+    with pytest.raises(Refused, match=r"^alice already has 2 unfinished jobs \(limit 2\)$"):
+        store.submit(new_job(), 2)
+    store.submit(new_job("bob"), 2)  # another user is not affected
+    store.change(second.id, lambda j: J.cancelled(j, 5.0, "x"))  # an ended job no longer counts
+    store.submit(new_job(), 2)
+
+
+def test_a_change_applies_to_the_job_as_it_is_now(tmp_path):
+    store = Store.open(str(tmp_path / "q.sqlite"), 0.0)
+    job, _ = store.submit(new_job(), 10)
+    stale = job
+    store.change(job.id, J.held)
+    # An edit that checks the state sees `held`, not the stale copy's `queued`: nothing is overwritten.
+    assert (
+        store.change(job.id, lambda j: J.started(j, ("GPU-0",), 2.0, 1, 1) if j.state == J.QUEUED else None)
+        is None
+    )
+    assert store.get(job.id).state == J.HELD and stale.state == J.QUEUED
+
+
+@pytest.mark.parametrize("content", [b"this is not a database at all" * 100, "sqlite"])
+def test_a_corrupt_or_foreign_file_is_moved_aside_with_one_line(tmp_path, caplog, content):
+    path = tmp_path / "q.sqlite"
+    if content == "sqlite":
+        other = sqlite3.connect(path)
+        other.execute("CREATE TABLE mine (x)")
+        other.commit()
+        other.close()
+    else:
+        path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="gpu_mon"):
+        store = Store.open(str(path), 0.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "is unusable" in lines[0] and "moved aside to" in lines[0]
+    assert store.all() == [] and store.submit(new_job(), 10)[0].id == 1
+    assert [p.name for p in tmp_path.iterdir() if ".bad-" in p.name]
