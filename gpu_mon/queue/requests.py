@@ -115,12 +115,10 @@ class Requests:
         if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
             raise Bad("no command given (gpu-mon submit [OPTIONS] -- COMMAND [ARGS...])")
         size = sum(len(a.encode("utf-8", "surrogateescape")) + 1 for a in command)
-        if size > MAX_COMMAND or any("\0" in a for a in command):
-            raise Bad(
-                f"command too long ({size} bytes; at most {MAX_COMMAND})"
-                if size > MAX_COMMAND
-                else "NUL in command"
-            )
+        if size > MAX_COMMAND:
+            raise Bad(f"command too long ({size} bytes; at most {MAX_COMMAND})", 1)
+        if any("\0" in a for a in command):
+            raise Bad("the command contains a NUL byte")
         env = req.get("env") or {}
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
@@ -128,10 +126,10 @@ class Requests:
             raise Bad("env must be an object of strings")
         env_size = sum(len(k) + len(v) + 2 for k, v in env.items())
         if env_size > MAX_ENV:
-            raise Bad(f"environment too large ({env_size} bytes; at most {MAX_ENV})")
+            raise Bad(f"environment too large ({env_size} bytes; at most {MAX_ENV})", 1)
         name = _text(req, "name", "")
         if len(name) > MAX_NAME:
-            raise Bad(f"name too long ({len(name)} characters; at most {MAX_NAME})")
+            raise Bad(f"name too long ({len(name)} characters; at most {MAX_NAME})", 1)
         cwd = _text(req, "cwd", "")
         if not os.path.isabs(cwd):
             raise Bad("the submit directory must be an absolute path")

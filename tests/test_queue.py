@@ -1,0 +1,470 @@
+"""The queue for real: users created here submit with `gpu-mon submit` (run as them, from a copy of the
+package they can read) to a real daemon (root) on the simulated GPUs; jobs are real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+from conftest import ROOT, foreign_opener_cmd, kill_marked, pid_alive, wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
+
+PY = "/usr/bin/python3"
+GROUP = "gmqlab"
+JOB = r"""
+import json, os, signal, sys, time
+env = os.environ
+restart = int(env.get("GPU_MON_RESTART_COUNT", "-1"))
+report = os.path.join(os.getcwd(), "report-" + env.get("GPU_MON_JOB_ID", "x") + ".jsonl")
+
+def say(event, **kw):
+    with open(report, "a") as f:
+        f.write(json.dumps(dict(event=event, t=time.time(), restart=restart, **kw)) + "\n")
+
+def stop(signum, frame):
+    say("signal", sig=signum)
+    sys.exit(0 if signum == signal.SIGUSR1 else 143)
+
+say("start", uid=os.getuid(), gid=os.getgid(), groups=sorted(os.getgroups()), cwd=os.getcwd(),
+    cuda=env.get("CUDA_VISIBLE_DEVICES"), order=env.get("CUDA_DEVICE_ORDER"), job=env.get("GPU_MON_JOB_ID"),
+    secret=env.get("SECRET"), pid=os.getpid())
+with open(os.path.join(env["HOME"], "wrote-home-" + env.get("GPU_MON_JOB_ID", "x")), "w") as f:
+    f.write("ok")
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGUSR1, stop)
+mode = sys.argv[1]
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "ckpt" and restart >= 1:
+    say("resumed")
+    sys.exit(0)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: Path
+
+    @property
+    def work(self) -> Path:
+        return self.home / "work"
+
+
+@dataclass
+class Lab:
+    dir: Path
+    code: Path
+    job: Path
+    client_conf: Path
+    socket: Path
+    database: Path
+    alice: User
+    bob: User
+    marker: str
+
+    def run(
+        self,
+        user: User,
+        *args: str,
+        cwd: Optional[Path] = None,
+        env: Optional[Dict[str, str]] = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess:
+        """`gpu-mon ARGS` as this user, from the user's work directory, with the test's marker in its env."""
+        full_env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(user.home),
+            "USER": user.name,
+            "PYTHONPATH": str(self.code),
+            "LANG": "C.UTF-8",
+            "GMQ_MARK": self.marker,
+        }
+        full_env.update(env or {})
+        groups = os.getgrouplist(user.name, user.gid)
+        return subprocess.run(
+            [PY, "-m", "gpu_mon", "--config", str(self.client_conf), *args],
+            capture_output=True,
+            text=True,
+            user=user.uid,
+            group=user.gid,
+            extra_groups=groups,
+            cwd=str(cwd or user.work),
+            env=full_env,
+            timeout=timeout,
+        )
+
+    def submit(self, user: User, *args: str, **kw) -> int:
+        r = self.run(user, "submit", "--json", *args, **kw)
+        assert r.returncode == 0, r.stderr
+        return int(json.loads(r.stdout)["id"])
+
+    def job_cmd(self, *args: str) -> List[str]:
+        return ["--", PY, str(self.job), *args, self.marker]
+
+    def jobs(self, user: User, *args: str) -> Dict[int, dict]:
+        r = self.run(user, "jobs", "--json", "--all", *args)
+        assert r.returncode == 0, r.stderr
+        return {j["id"]: j for j in json.loads(r.stdout)["jobs"]}
+
+    def wait_state(self, user: User, job_id: int, state: str, timeout: float = 30) -> dict:
+        return wait_for(  # type: ignore[return-value]
+            lambda: (j := self.jobs(user).get(job_id)) and j["state"] == state and j,
+            timeout,
+            f"job {job_id} {state}",
+            interval=0.1,
+        )
+
+    def reports(self, user: User, job_id: int) -> List[dict]:
+        path = user.work / f"report-{job_id}.jsonl"
+        try:
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except OSError:
+            return []
+
+
+def _make_user(name: str, base: Path, groups: str = "") -> User:
+    subprocess.run(["userdel", "-r", name], capture_output=True)
+    home = base / name
+    cmd = ["useradd", "-m", "-d", str(home), "-s", "/bin/sh", "-K", "MAIL_DIR=/nonexistent"]
+    subprocess.run([*cmd, *(["-G", groups] if groups else []), name], check=True, capture_output=True)
+    pw = pwd.getpwnam(name)
+    os.chmod(home, 0o700)
+    work = home / "work"
+    work.mkdir()
+    os.chown(work, pw.pw_uid, pw.pw_gid)
+    return User(name, pw.pw_uid, pw.pw_gid, home)
+
+
+@pytest.fixture
+def lab(sim):
+    """Two users (alice in a supplementary group), a directory they can read with the package, the job
+    script and the client's config; all removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="gpu-mon-queue-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    subprocess.run(["groupdel", GROUP], capture_output=True)
+    subprocess.run(["groupadd", GROUP], check=True, capture_output=True)
+    users = []
+    try:
+        alice = _make_user("gmqalice", base, GROUP)
+        users.append(alice)
+        bob = _make_user("gmqbob", base)
+        users.append(bob)
+        code = base / "code"
+        shutil.copytree(ROOT / "gpu_mon", code / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+        for path in (code, *code.rglob("*")):
+            os.chmod(path, 0o755)
+        job = base / "job.py"
+        job.write_text(JOB)
+        os.chmod(job, 0o755)
+        run_dir = base / "run"
+        conf = base / "client.conf"
+        conf.write_text(f"[queue]\nsocket = {run_dir / 'queue.sock'}\n")
+        os.chmod(conf, 0o644)
+        marker = f"gmq-{os.getpid()}-{time.monotonic_ns()}"
+        yield Lab(base, code, job, conf, run_dir / "queue.sock", base / "queue.sqlite", alice, bob, marker)
+    finally:
+        with contextlib.suppress(Exception):
+            kill_marked(locals().get("marker", "never-a-marker"))
+        for u in users:
+            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only the test's users
+            subprocess.run(["userdel", "-r", u.name], capture_output=True)
+        subprocess.run(["groupdel", GROUP], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def queue_body(lab: Lab, extra: str = "", gpus: str = "ALL") -> str:
+    return (
+        "[gpu-all]\ngpus = ALL\n"
+        f"[queue]\nsocket = {lab.socket}\ndatabase = {lab.database}\ngpus = {gpus}\n"
+        f"grace_seconds = 5\n{extra}"
+    )
+
+
+def started_order(d) -> List[int]:
+    return [
+        int(line.split("starting job ", 1)[1].split("[", 1)[0])
+        for line in d.log().splitlines()
+        if "queue: starting job " in line
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_two_users_jobs_run_as_each_user_in_their_directory_with_their_env_and_one_gpu(
+    lab, daemon_factory, sim
+):
+    d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    assert os.stat(lab.socket).st_mode & 0o777 == 0o666
+    assert os.stat(lab.socket.parent).st_mode & 0o777 == 0o755 and os.stat(lab.socket.parent).st_uid == 0
+    r = lab.run(lab.alice, "submit", *lab.job_cmd("exit", "0"), env={"SECRET": "alice's"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "job 1 queued (0 ahead)\n"
+    b = lab.submit(lab.bob, *lab.job_cmd("exit", "0"), env={"SECRET": "bob's"})
+    for user, job_id in ((lab.alice, 1), (lab.bob, b)):
+        job = lab.wait_state(user, job_id, "done")
+        (start,) = [e for e in lab.reports(user, job_id) if e["event"] == "start"]
+        gid = user.gid
+        assert (start["uid"], start["gid"], start["cwd"]) == (user.uid, gid, str(user.work))
+        assert start["secret"] == ("alice's" if user is lab.alice else "bob's")
+        assert start["cuda"] in (sim.uuid(0), sim.uuid(1)) and start["order"] == "PCI_BUS_ID"
+        assert (start["job"], start["restart"]) == (str(job_id), 0)
+        assert job["exit_status"] == 0 and job["user"] == user.name and job["gpus_wanted"] == 1
+        # its output file and the files it wrote are the user's, never root's
+        log = user.home / ".local/state/gpu-mon/jobs" / f"{job_id}.log"
+        assert log.exists() and log.stat().st_uid == user.uid
+        assert (user.home / f"wrote-home-{job_id}").stat().st_uid == user.uid
+    alice_groups = set(lab.reports(lab.alice, 1)[0]["groups"])
+    assert grp.getgrnam(GROUP).gr_gid in alice_groups
+    assert grp.getgrnam(GROUP).gr_gid not in set(lab.reports(lab.bob, b)[0]["groups"])
+    # the two jobs had different GPUs or ran one after the other: never one GPU twice at once
+    d.wait_log(r"queue: job \d+ of gmqbob exited with status 0: done")
+
+
+def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_count_1(
+    lab, daemon_factory, sim
+):
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0.3})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    job_id = lab.submit(lab.alice, "--stop-signal", "USR1", *lab.job_cmd("ckpt"))
+    lab.wait_state(lab.alice, job_id, "running")
+    wait_for(lambda: lab.reports(lab.alice, job_id), 20, "the job's first report")
+    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+        d.wait_log(r"busy: root .*; stopping job 1")
+        job = lab.wait_state(lab.alice, job_id, "queued")
+        assert job["restarts"] == 1
+        assert "GPU 0 busy: root" in job["reason"]  # it waits, and says for whom
+        events = [(e["event"], e["restart"]) for e in lab.reports(lab.alice, job_id)]
+        assert events == [("start", 0), ("signal", 0)]  # the checkpoint signal, not SIGTERM
+        assert lab.reports(lab.alice, job_id)[1]["sig"] == signal.SIGUSR1
+    finally:
+        opener.kill()
+        opener.wait()
+    lab.wait_state(lab.alice, job_id, "done")
+    events = [(e["event"], e["restart"]) for e in lab.reports(lab.alice, job_id)]
+    assert events == [("start", 0), ("signal", 0), ("start", 1), ("resumed", 1)]
+    r = lab.run(lab.alice, "logs", str(job_id))
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    "order, expected, ahead",
+    [("fifo", [1, 2, 3, 4], "3 jobs ahead"), ("fair", [1, 4, 2, 3], "1 job ahead")],
+)
+def test_fair_order_lets_a_user_with_one_job_in_before_anothers_many(
+    lab, daemon_factory, sim, order, expected, ahead
+):
+    d = daemon_factory(queue_body(lab, f"order = {order}\n", gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+        d.wait_log("GPU 0 .*busy")
+        for _ in range(3):
+            lab.submit(lab.alice, *lab.job_cmd("exit", "0"))
+        lab.submit(lab.bob, *lab.job_cmd("exit", "0"))
+        jobs = lab.jobs(lab.bob)
+        assert "GPU 0 busy: root" in jobs[1]["reason"] and jobs[4]["reason"] == f"waiting: {ahead}"
+    finally:
+        opener.kill()
+        opener.wait()
+    lab.wait_state(lab.bob, 4, "done")
+    for i in (1, 2, 3):
+        lab.wait_state(lab.alice, i, "done")
+    assert started_order(d) == expected
+
+
+def test_limits_refuse_or_hold_back_a_users_jobs(lab, daemon_factory):
+    extra = "max_running_per_user = 1\nmax_queued_per_user = 2\nmax_gpus_per_job = 1\n"
+    daemon_factory(queue_body(lab, extra), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    first = lab.submit(lab.alice, *lab.job_cmd("forever"))
+    second = lab.submit(lab.alice, *lab.job_cmd("forever"))
+    lab.wait_state(lab.alice, first, "running")
+    wait_for(
+        lambda: lab.jobs(lab.alice)[second]["reason"] == "waiting: gmqalice has 1 running (limit 1)",
+        20,
+        "the limit as the reason",
+    )
+    r = lab.run(lab.alice, "submit", *lab.job_cmd("forever"))
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == "gpu-mon: gmqalice already has 2 unfinished jobs (limit 2)\n"
+    r = lab.run(lab.bob, "submit", "--gpus", "2", *lab.job_cmd("forever"))
+    assert (r.returncode, r.stderr) == (1, "gpu-mon: --gpus 2 is over the limit of 1 per job\n")
+    big = lab.run(lab.bob, "submit", "--", "true", "x" * 70000)
+    assert (big.returncode, big.stderr) == (1, "gpu-mon: command too long (70006 bytes; at most 65536)\n")
+    r = lab.run(lab.bob, "submit", "--name", "n" * 65, "--", "true")
+    assert (r.returncode, r.stderr) == (1, "gpu-mon: name too long (65 characters; at most 64)\n")
+    r = lab.run(lab.bob, "submit", "--", "true", env={f"HUGE{i}": "x" * 100000 for i in range(3)})
+    assert r.returncode == 1 and r.stderr.startswith("gpu-mon: environment too large (")
+    r = lab.run(lab.bob, "submit", "--stop-signal", "NOPE", "--", "true")
+    assert (r.returncode, r.stderr) == (2, "gpu-mon: --stop-signal 'NOPE' is not a signal name\n")
+    bob = lab.submit(lab.bob, *lab.job_cmd("forever"))  # another user is not held back by alice's limit
+    lab.wait_state(lab.bob, bob, "running")
+
+
+def test_after_chains_a_failed_dependency_cancels_and_a_time_limit_ends_as_timeout(lab, daemon_factory):
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    one = lab.submit(lab.alice, "--hold", *lab.job_cmd("exit", "0"))
+    two = lab.submit(lab.alice, "--after", str(one), *lab.job_cmd("exit", "0"))
+    bad = lab.submit(lab.alice, "--hold", *lab.job_cmd("exit", "3"))
+    after_bad = lab.submit(lab.bob, "--after", f"{one},{bad}", *lab.job_cmd("exit", "0"))
+    jobs = lab.jobs(lab.alice)
+    assert jobs[one]["state"] == "held" and jobs[two]["reason"] == f"waiting: after job {one}"
+    assert lab.run(lab.alice, "release", str(one), str(bad)).returncode == 0
+    assert lab.wait_state(lab.alice, bad, "failed")["exit_status"] == 3
+    lab.wait_state(lab.alice, two, "done")
+    cancelled = lab.wait_state(lab.bob, after_bad, "cancelled")
+    assert cancelled["reason"] == f"after job {bad} failed"
+    assert lab.reports(lab.bob, after_bad) == []  # it never ran
+    assert lab.reports(lab.alice, two)[0]["t"] >= lab.reports(lab.alice, one)[-1]["t"]
+    r = lab.run(lab.alice, "submit", "--wait", "--time-limit", "1", *lab.job_cmd("forever"))
+    assert r.returncode == 124, r.stderr
+    job_id = int(r.stdout.split()[1])
+    assert lab.jobs(lab.alice)[job_id]["state"] == "timeout"
+
+
+def test_only_the_owner_or_root_may_cancel_hold_release_or_read_a_job(lab, daemon_factory, sim):
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    job_id = lab.submit(lab.alice, "--hold", *lab.job_cmd("forever"))
+    for op in ("cancel", "hold", "release"):
+        r = lab.run(lab.bob, op, str(job_id))
+        assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {job_id} is gmqalice's, not yours\n")
+    r = lab.run(lab.bob, "logs", str(job_id))
+    assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {job_id} is gmqalice's, not yours\n")
+    assert lab.jobs(lab.bob)[job_id]["state"] == "held"  # anyone may list
+    assert lab.run(lab.alice, "release", str(job_id)).returncode == 0
+    lab.wait_state(lab.alice, job_id, "running")
+    r = lab.run(lab.alice, "cancel", str(job_id))
+    assert (r.returncode, r.stdout) == (0, f"job {job_id}: stopping\n")
+    job = lab.wait_state(lab.alice, job_id, "cancelled")
+    assert job["reason"] == "cancelled while running"
+    assert [e["event"] for e in lab.reports(lab.alice, job_id)] == ["start", "signal"]
+
+
+def test_a_daemon_killed_with_a_job_running_requeues_it_and_never_runs_it_twice(lab, daemon_factory):
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    running = lab.submit(lab.alice, *lab.job_cmd("forever"))
+    waiting = lab.submit(lab.bob, *lab.job_cmd("exit", "0"))
+    lab.wait_state(lab.alice, running, "running")
+    (first,) = wait_for(lambda: lab.reports(lab.alice, running), 20, "the first run's report")
+    d.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    log_before = d.log()
+    d.start()  # the same config, the same database
+    d.wait_log(r"queue: job 1 (was running when gpu-mon stopped|.*earlier gpu-mon.*)")
+    second = wait_for(
+        lambda: [e for e in lab.reports(lab.alice, running) if e["event"] == "start"][1:],
+        30,
+        "the second run",
+    )[0]
+    ends = [e for e in lab.reports(lab.alice, running) if e["event"] == "signal"]
+    assert ends and ends[0]["t"] <= second["t"]  # the first run was gone before the second began
+    assert not pid_alive(first["pid"])
+    assert second["restart"] == 1
+    jobs = lab.jobs(lab.bob)
+    assert jobs[running]["state"] == "running" and jobs[running]["restarts"] == 1
+    assert jobs[waiting]["state"] == "queued"  # still queued: nothing was lost
+    assert "queue: starting job 1" in log_before
+    assert lab.run(lab.alice, "cancel", str(running)).returncode == 0
+    lab.wait_state(lab.bob, waiting, "done")
+
+
+def test_a_queued_job_takes_a_gpu_from_a_process_workload(lab, daemon_factory, tmp_path):
+    body = queue_body(lab, gpus="0") + (
+        f"[process-miner]\ncmd = {PY} -c 'import time; time.sleep(600)' {lab.marker}\ngpus = 0\n"
+    )
+    d = daemon_factory(body, defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    d.wait_log(r"starting miner\[")
+    job_id = lab.submit(lab.alice, *lab.job_cmd("sleep"))
+    d.wait_log(r"queue: job 1 takes GPU 0 .*; stopping miner\[")
+    lab.wait_state(lab.alice, job_id, "running")
+    gpu0 = lambda: [g for g in d.state().get("gpus", []) if g["index"] == 0] or [{}]  # noqa: E731
+    wait_for(lambda: gpu0()[0].get("state") == "running job 1", 20, "GPU 0 running the job (`status`)")
+    miner = d.workload("miner")
+    assert miner["state"] != "running" and "job 1" in json.dumps(miner), miner
+    assert lab.run(lab.alice, "cancel", str(job_id)).returncode == 0
+    lab.wait_state(lab.alice, job_id, "cancelled")
+    d.wait_log(r"starting miner\[", count=2)  # the workload has its GPU back
+
+
+def _connect(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(path))
+    return s
+
+
+def _answer(s: socket.socket) -> dict:
+    s.settimeout(10)
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data[4:])
+
+
+def test_garbage_and_silent_clients_get_one_line_and_never_block_a_submit(lab, daemon_factory):
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    silent = [_connect(lab.socket) for _ in range(50)]
+    try:
+        garbage = _connect(lab.socket)
+        garbage.sendall(struct.pack(">I", 5) + b"hello")
+        assert _answer(garbage) == {"ok": False, "error": "not a JSON message", "code": 2}
+        huge = _connect(lab.socket)
+        huge.sendall(struct.pack(">I", 1 << 30))
+        assert _answer(huge)["error"] == "frame too large (1073741824 bytes; at most 1048576)"
+        liar = _connect(lab.socket)  # a client that claims to be someone else is still itself
+        liar.sendall(struct.pack(">I", 0) + b"")
+        liar.close()
+        r = lab.run(lab.bob, "submit", *lab.job_cmd("exit", "0"))
+        assert r.returncode == 0, r.stderr
+        # the submit was answered while every silent client was still connected, waiting
+        for s in silent:
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        for s in silent:
+            s.close()
+    late = _connect(lab.socket)
+    assert _answer(late) == {"ok": False, "error": "no request in time", "code": 2}  # after a few seconds
+
+
+def test_no_daemon_and_queue_off_are_one_line(lab, tmp_path):
+    r = lab.run(lab.alice, "jobs")
+    assert r.returncode == 1 and r.stderr.startswith("gpu-mon: no gpu-mon daemon answers on ")
+    off = lab.dir / "off.conf"
+    off.write_text("[gpu-all]\ngpus = ALL\n")
+    os.chmod(off, 0o644)
+    r = lab.run(lab.alice, "--config", str(off), "jobs")
+    assert (r.returncode, r.stderr) == (1, f"gpu-mon: the queue is off: {off} has no [queue] section\n")
