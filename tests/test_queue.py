@@ -11,6 +11,7 @@ import pwd
 import shutil
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-from conftest import ROOT, foreign_opener_cmd, kill_marked, pid_alive, wait_for
+from conftest import ROOT, Daemon, foreign_opener_cmd, kill_marked, pid_alive, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -480,3 +481,38 @@ def test_no_daemon_and_queue_off_are_one_line(lab, tmp_path):
     os.chmod(off, 0o644)
     r = lab.run(lab.alice, "--config", str(off), "jobs")
     assert (r.returncode, r.stderr) == (1, f"gpu-mon: the queue is off: {off} has no [queue] section\n")
+
+
+def test_a_stopped_daemon_requeues_its_running_job_and_a_second_daemon_never_shares_the_queue(
+    lab, daemon_factory, sim, tmp_path
+):
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    job_id = lab.submit(lab.alice, *lab.job_cmd("forever"))
+    lab.wait_state(lab.alice, job_id, "running")
+    other_dir = tmp_path / "second"
+    other_dir.mkdir()
+    other = Daemon(other_dir, sim, queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    try:
+        other.start()
+        other.wait_log(r"queue: cannot start the queue: another gpu-mon daemon is running \(pid \d+; lock ")
+        assert other.proc is not None and other.proc.poll() is None  # it runs on, without the queue
+        assert lab.jobs(lab.bob)[job_id]["state"] == "running"  # the first one still serves it
+    finally:
+        other.cleanup()
+    assert d.stop() == 0
+    d.wait_log(r"queue: job 1 of gmqalice .*: back in the queue")
+    assert not lab.socket.exists()
+    with contextlib.closing(sqlite3.connect(lab.database)) as db:
+        (data,) = db.execute("SELECT data FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    assert (json.loads(data)["state"], json.loads(data)["restarts"]) == ("queued", 1)
+    d.start()
+    wait_for(lab.socket.exists, 20, "the queue's socket again")
+    job = lab.wait_state(lab.alice, job_id, "running")
+    assert job["restarts"] == 1
+    starts = wait_for(
+        lambda: [e["restart"] for e in lab.reports(lab.alice, job_id) if e["event"] == "start"][1:],
+        20,
+        "the second run's report",
+    )
+    assert starts == [1]

@@ -190,6 +190,11 @@ class Daemon:
         """Fail closed after an unexpected error: stop every workload, keep running, try again next round."""
         log.exception("internal error (please report it); stopping every workload to be safe")
         self.said.append({"wall": self.wall(), "text": "internal error: stopping every workload"})
+        if self.queue is not None:
+            try:
+                self.queue.requeue_running()
+            except Exception:  # (the error may be the queue's own: the jobs are stopped all the same)
+                log.exception("queue: cannot mark the running jobs to be requeued")
         self.supervisor.stop_all("internal error in gpu-mon", now)
         self.next_poll = now + self.config.defaults.interval_seconds
 
@@ -595,7 +600,7 @@ class Daemon:
         count = len(self.supervisor.workloads)
         self._say(f"stopping{' ' + why if why else ''}{f': {count} workload(s) to stop' if count else ''}")
         if self.queue is not None:
-            self.queue.shutting_down()  # its running jobs go back to the queue
+            self.queue.requeue_running()  # its running jobs go back to the queue
         self.supervisor.stop_all("gpu-mon is stopping", now)
 
     def _finish(self) -> None:

@@ -24,6 +24,7 @@ from gpu_mon.api.text import sanitize
 from gpu_mon.config import Config, QueueSection
 from gpu_mon.engine import words
 from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
+from gpu_mon.engine.lock import DaemonLock
 from gpu_mon.engine.workloads.stopping import StopRule
 from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
 from gpu_mon.queue import jobs as J
@@ -65,7 +66,14 @@ class Queue:
             else config.defaults.start_delay_seconds
         )
         self.supervisor, self.poke, self.wall = supervisor, poke, wall
-        self.store = Store.open(self.q.database, wall())
+        # One daemon per queue: two that shared a database would run its jobs twice.
+        self.lock = DaemonLock(self.q.database)
+        self.lock.acquire()
+        try:
+            self.store = Store.open(self.q.database, wall())
+        except BaseException:
+            self.lock.release()
+            raise
         self.view = View()
         self.requests = Requests(self.store, self.q, lambda: self.view, self._changed)
         self.server = Server(self.q.socket, self.requests)
@@ -73,14 +81,17 @@ class Queue:
         self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
         self.next_wake: Optional[float] = None
         self.dirty = True
-        self.seen_version = -1
 
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
         """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
         self._adopt()
-        self.server.start()
+        try:
+            self.server.start()
+        except BaseException:
+            self.close()
+            raise
         queued = sum(1 for j in self.store.all() if j.state == J.QUEUED)
         log.info("queue: listening on %s; %d job(s) queued (%s)", self.q.socket, queued, self.q.database)
 
@@ -96,8 +107,9 @@ class Queue:
                 self.store.change(job.id, _rerun)
                 log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
 
-    def shutting_down(self) -> None:
-        """gpu-mon stops (every workload is being stopped): its running jobs go back to the queue."""
+    def requeue_running(self) -> None:
+        """Every workload is being stopped (gpu-mon stops, or an internal error): the running jobs go
+        back to the queue when their processes are gone."""
 
         def restart(j: Job) -> Optional[Job]:
             return J.stopping(j, J.STOP_RESTART) if j.state in J.LIVE and j.reason != J.STOP_CANCEL else None
@@ -105,9 +117,10 @@ class Queue:
         self.store.change_many([(j.id, restart) for j in self.store.all() if j.state in J.LIVE])
 
     def close(self) -> None:
-        """Stop listening; close the database."""
+        """Stop listening; close the database; let the next daemon have the queue."""
         self.server.stop()
         self.store.close()
+        self.lock.release()
 
     def _changed(self) -> None:
         """A request changed the queue (called from the server's thread): a round soon."""

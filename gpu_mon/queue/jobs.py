@@ -90,7 +90,9 @@ def ended(job: Job, now: float, returncode: int) -> Job:
             return dataclasses.replace(base, state=QUEUED, restarts=job.restarts + 1, reason="preempted")
         return dataclasses.replace(base, state=PREEMPTED, ended=now, reason="preempted (no requeue)")
     if job.state == STOPPING and job.reason == STOP_RESTART:
-        return dataclasses.replace(base, state=QUEUED, exit_status=None, reason="daemon restarted")
+        return dataclasses.replace(
+            base, state=QUEUED, restarts=job.restarts + 1, exit_status=None, reason="gpu-mon restarted"
+        )
     if job.state == STOPPING and job.reason == STOP_TIMEOUT:
         return dataclasses.replace(base, state=TIMEOUT, ended=now, exit_status=124, reason="time limit")
     if job.state == STOPPING and job.reason == STOP_CANCEL:

@@ -72,9 +72,14 @@ class Server:
             if st is not None:
                 os.unlink(self.path)  # a socket left by a daemon that was killed
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            listener.bind(self.path)
-            os.chmod(self.path, 0o666)
+            # Made under another name and renamed into place: a client never finds it before it listens.
+            fresh = f"{self.path}.{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fresh)
+            listener.bind(fresh)
+            os.chmod(fresh, 0o666)
             listener.listen(1024)
+            os.rename(fresh, self.path)
         except OSError as err:
             raise ServerError(f"cannot listen on {self.path}: {err.strerror or err}") from None
         listener.setblocking(False)
