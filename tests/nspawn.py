@@ -90,7 +90,10 @@ class Container:
             raise BootError("systemd-nspawn not found: install the Debian package systemd-container")
         self._make_cgroups()
         joins = "".join(f'echo $$ > "{d}/cgroup.procs" && ' for d in self.cgroups)
-        argv = [tool, "--quiet", "--volatile=yes", "--directory=/", "--register=no", "--keep-unit"]
+        # If the test run itself dies, nspawn gets SIGTERM (and halts the container) all the same.
+        setpriv = shutil.which("setpriv")
+        argv = [setpriv, "--pdeathsig=TERM"] if setpriv else []
+        argv += [tool, "--quiet", "--volatile=yes", "--directory=/", "--register=no", "--keep-unit"]
         argv += [f"--machine={self.name}", "--boot"]
         argv += [f"--bind-ro={p}" for p in self.binds_ro]
         argv += [f"--bind={src}:{dst}" for src, dst in self.binds_rw.items()]
