@@ -17,6 +17,7 @@ from gpu_mon.queue.placement import (
     TimeUp,
     Waiting,
     place,
+    stops,
 )
 from gpu_mon.queue.words import waiting
 
@@ -158,3 +159,11 @@ def test_ten_thousand_queued_jobs_each_get_a_reason():
     p = run(jobs, gpus)
     assert len(p.waiting) == 10000
     assert sorted(w.count for w in p.waiting.values() if w.kind == "ahead") == list(range(1, 10000))
+
+
+def test_the_yield_path_part_sees_only_running_jobs():
+    running = job(1, state=J.RUNNING, gpus=(G0,), started=WALL - 10, time_limit=60.0)
+    over = job(2, state=J.RUNNING, gpus=(G1,), started=WALL - 10, time_limit=5.0)
+    s = stops([running, over, job(3)], (GpuView(G0, True, BOB), free(G1)), NOW, WALL)
+    assert s.preempt_jobs == (PreemptJob(1, G0, BOB),) and s.time_up == (TimeUp(2),)
+    assert s.starts == () and s.waiting == {}

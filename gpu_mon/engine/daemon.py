@@ -342,8 +342,7 @@ class Daemon:
         for event in decision.events:
             self._say(words.restarting(event), logging.WARNING if event.failing else logging.INFO)
         if self.queue is not None:
-            uuids = queue_gpus(self.queue.q, plan.rules, plan.index_of)
-            decision = self.queue.round(decision, plan.index_of, uuids, now, stopping=bool(self.stopping))
+            decision = self._queue_round(decision, plan, now)
         self._act(decision, plan, now)
         self.decision = decision
         self._publish(plan, snap, decision, self._yields_done(snap), self._idle_holders(plan, snap))
@@ -366,6 +365,15 @@ class Daemon:
                 log.info("not stopping %s: a second look no longer finds the GPU busy (%s)", s.key, why)
         actions = tuple(a for a in second.actions if not isinstance(a, Stop) or a.key in confirmed)
         return dataclasses.replace(second, actions=actions), again
+
+    def _queue_round(self, decision: Decision, plan: policy.Plan, now: float) -> Decision:
+        """Workloads yield first; then the queue yields and places its jobs (engine/queue.py). Returns the
+        decision's other actions, less the starts on GPUs that jobs hold or are about to take."""
+        stops = tuple(a for a in decision.actions if isinstance(a, Stop))
+        self._act(dataclasses.replace(decision, actions=stops), plan, now)
+        rest = dataclasses.replace(decision, actions=tuple(a for a in decision.actions if a not in stops))
+        uuids = queue_gpus(self.queue.q, plan.rules, plan.index_of)
+        return self.queue.round(rest, plan.index_of, uuids, now, stopping=bool(self.stopping))
 
     def _act(self, decision: Decision, plan: policy.Plan, now: float) -> None:
         for action in decision.actions:

@@ -81,6 +81,8 @@ class Queue:
         self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
         self.next_wake: Optional[float] = None
         self.dirty = True
+        self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
+        self.placed_on: tuple = ()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -160,16 +162,23 @@ class Queue:
         self._orphans_gone()
         jobs = self.store.all()
         views = self._views(decision, uuids)
-        plan = placement.place(jobs, views, self.q, self.delay, now, wall)
-        self._preempt(plan, index_of, now)
+        urgent = placement.stops(jobs, views, now, wall)  # the yield path first: only the running jobs
+        self._preempt(urgent, index_of, now)
+        self._time_up(urgent)
         self._reconcile(now)
-        self._dependencies(plan, wall)
-        self._take_from_workloads(plan, index_of, now)
-        for s in plan.starts:
-            self._start(s, index_of, now, wall)
-        self.next_wake = plan.next_wake
-        self.view = View(waiting=plan.waiting, index_of=dict(index_of))
-        return _without_claimed(decision, plan.claimed)
+        due = self.next_wake is not None and now >= self.next_wake
+        inputs = (self.store.version, tuple(views))
+        if inputs != self.placed_on or due or self.plan is None:
+            self.plan = placement.place(self.store.all(), views, self.q, self.delay, now, wall)
+            self.placed_on = inputs
+            self._dependencies(self.plan, wall)
+            self._take_from_workloads(self.plan, index_of, now)
+            for s in self.plan.starts:
+                self._start(s, index_of, now, wall)
+            self.view = View(waiting=self.plan.waiting, index_of=dict(index_of))
+        wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
+        self.next_wake = min(wakes) if wakes else None
+        return _without_claimed(decision, self.plan.claimed)
 
     def _views(self, decision: Decision, uuids: List[str]) -> List[placement.GpuView]:
         on: Dict[str, Tuple[str, bool]] = {}
@@ -219,12 +228,16 @@ class Queue:
             reason = f"after {what}"
             if self.store.change(c.job, lambda j, r=reason: _cancel_queued(j, wall, r)) is not None:
                 log.info("queue: job %d cancelled: after %s", c.job, what)
-        self.store.change_many(
-            (t.job, lambda j: J.stopping(j, J.STOP_TIMEOUT) if j.state == J.RUNNING else None)
-            for t in plan.time_up
-        )
+
         if plan.time_up:
             self.dirty = True  # stop them in the next round (it comes at once)
+
+    def _time_up(self, urgent: placement.Placement) -> None:
+        """Jobs past their --time-limit: marked stopping, then stopped (with their full grace)."""
+        self.store.change_many(
+            (t.job, lambda j: J.stopping(j, J.STOP_TIMEOUT) if j.state == J.RUNNING else None)
+            for t in urgent.time_up
+        )
 
     def _take_from_workloads(self, plan: placement.Placement, index_of: Dict[str, int], now: float) -> None:
         for p in plan.preempt_workloads:

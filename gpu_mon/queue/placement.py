@@ -187,6 +187,7 @@ class _Placer:
         self.preempt_workloads: List[PreemptWorkload] = []
         self.wakes: List[float] = []
         self.waiting_before = 0
+        self.open: Optional[List[GpuView]] = None  # GPUs still open to jobs in this round
 
     def place(self, job: Job) -> Optional[Waiting]:
         """Start it, or claim GPUs for it (a workload to stop, a start delay), or say why it waits."""
@@ -210,10 +211,13 @@ class _Placer:
         return None
 
     def _gpus_for(self, job: Job) -> Optional[Waiting]:
-        usable = [g for g in self.gpus if not g.busy and g.uuid not in self.claimed]
-        if not self.q.preempt_workloads:
-            usable = [g for g in usable if not g.workload]
-        usable.sort(key=lambda g: bool(g.workload))  # GPUs nobody of ours uses first
+        if self.open is None:  # (made once the live jobs' claims are in)
+            usable = [g for g in self.gpus if not g.busy and g.uuid not in self.claimed]
+            if not self.q.preempt_workloads:
+                usable = [g for g in usable if not g.workload]
+            self.open = sorted(usable, key=lambda g: bool(g.workload))  # GPUs nobody of ours uses first
+        usable = [g for g in self.open if g.uuid not in self.claimed]
+        self.open = usable
         if len(usable) < job.gpus_wanted:
             return self._why_not(job)
         chosen = usable[: job.gpus_wanted]
@@ -246,6 +250,18 @@ class _Placer:
             if g.workload:
                 return Waiting("taken", gpu=g.uuid, by_workload=g.workload)
         return Waiting("ahead", count=0)
+
+
+def stops(jobs: Sequence[Job], gpus: Sequence[GpuView], now: float, wall: float) -> Placement:
+    """Only what must stop now (someone else on a running job's GPU, a time limit): the yield path's part
+    of `place`, in time proportional to the running jobs."""
+    out: dict = {"preempt": [], "time_up": [], "wakes": []}
+    _running(jobs, {g.uuid: g for g in gpus}, now, wall, out)
+    return Placement(
+        preempt_jobs=tuple(out["preempt"]),
+        time_up=tuple(out["time_up"]),
+        next_wake=min(out["wakes"]) if out["wakes"] else None,
+    )
 
 
 def place(
