@@ -102,6 +102,15 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> SimHost:
     return SimHost(srv, 3)
 
 
+def _boot(container: Container) -> str:
+    """Boot it; why not, or ""."""
+    try:
+        container.boot()
+    except BootError as err:
+        return str(err)
+    return ""
+
+
 @contextlib.contextmanager
 def _booted(host: SimHost) -> Iterator[Container]:
     """A booted container with gpu-mon installed; afterwards nothing of it is left (checked)."""
@@ -109,10 +118,9 @@ def _booted(host: SimHost) -> Iterator[Container]:
     bound += [p for p in python_binds() if not any(p.startswith(b + "/") or p == b for b in bound)]
     container = Container(host.dir, binds_ro=bound, binds_rw={str(host.dir): SRV})
     try:
-        try:
-            container.boot()
-        except BootError as err:
-            pytest.fail(f"cannot boot systemd in a container: {err}", pytrace=False)
+        why = _boot(container)
+        if why:
+            pytest.fail(f"cannot boot systemd in a container: {why}", pytrace=False)
         _install(container)
         yield container
     finally:
