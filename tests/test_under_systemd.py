@@ -21,6 +21,7 @@ line saying why (root and `systemd-nspawn`, from the Debian package systemd-cont
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -284,6 +285,13 @@ def test_a_foreign_open_stops_the_workload_until_it_ends(service: Service):
         service.systemctl("stop", foreign, check=False)
     service.wait_line(r"^w\[\d+\]: w up as uid", after=stopped_at)
     assert [name for name, _pid in service.jobs()] == ["w", "x"]
+    # The history under the sandbox has the preemption, timed from the open to the stop signal.
+    service.systemctl("stop", UNIT)
+    gpu_mon = str(Path(sys.executable).with_name("gpu-mon"))
+    report = json.loads(service.box.run([gpu_mon, "report", "--json", "--since", "1h"]).stdout)
+    gpu0 = next(g for g in report["gpus"] if g["uuid"] == service.host.uuid(0))
+    assert gpu0["preemptions"] >= 1, gpu0
+    print(f"gpu-mon report: yield latency p50 {gpu0['yield_ms_p50']} ms")
 
 
 def test_reload_adds_a_section(service: Service):
