@@ -37,6 +37,7 @@ from gpu_mon.queue.store import Store
 log = logging.getLogger("gpu_mon")
 
 PREFIX = "job:"
+PLACE_GAP = 0.2  # seconds between two placements that only requests (submit, cancel, ...) asked for
 # Run as the user: go to the submit directory and open the output file with the user's own rights
 # (never root's), then become the command. $1 directory, $2 output file, the rest the command.
 _WRAPPER = (
@@ -83,6 +84,8 @@ class Queue:
         self.dirty = True
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
         self.placed_on: tuple = ()
+        self.placed_at = -1e9
+        self.force_place = False  # a job ended (its GPUs may take the next one at once)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -168,9 +171,18 @@ class Queue:
         self._reconcile(now)
         due = self.next_wake is not None and now >= self.next_wake
         inputs = (self.store.version, tuple(views))
-        if inputs != self.placed_on or due or self.plan is None:
+        gpus_changed = not self.placed_on or inputs[1] != self.placed_on[1]
+        force = self.force_place or due or self.plan is None or gpus_changed
+        if not force and inputs != self.placed_on and now < self.placed_at + PLACE_GAP:
+            # Only requests changed the queue (a burst of submits): place again at most every PLACE_GAP.
+            soon = self.placed_at + PLACE_GAP
+            self.next_wake = soon if self.next_wake is None else min(soon, self.next_wake)
+            return _without_claimed(decision, self.plan.claimed) if self.plan else decision
+        if force or inputs != self.placed_on:
+            self.force_place = False
             self.plan = placement.place(self.store.all(), views, self.q, self.delay, now, wall)
             self.placed_on = inputs
+            self.placed_at = now
             self._dependencies(self.plan, wall)
             self._take_from_workloads(self.plan, index_of, now)
             for s in self.plan.starts:
@@ -292,6 +304,7 @@ class Queue:
             )
             if job is None or new is None:
                 continue
+            self.force_place = True
             after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
             log.info(
                 "queue: job %d of %s %s: %s%s",
@@ -307,6 +320,7 @@ class Queue:
         gone = [i for i, (pid, ticks) in self.orphans.items() if not _alive(pid, ticks)]
         for job_id in gone:
             del self.orphans[job_id]
+            self.force_place = True
             if self.store.change(job_id, lambda j: _rerun(j) if j.state == J.STOPPING else None):
                 log.info("queue: job %d: the earlier gpu-mon's processes are gone: back in the queue", job_id)
         if self.orphans:

@@ -12,7 +12,8 @@ import struct
 import time
 from typing import Optional
 
-MAX_FRAME = 1 << 20  # a submit's 64 KiB command and 256 KiB environment fit, escaped, with room to spare
+MAX_FRAME = 1 << 20  # a request: a submit's 64 KiB command and 256 KiB environment fit, escaped, with room
+MAX_ANSWER = 1 << 28  # an answer (`jobs` with every job of a long queue)
 _HEADER = struct.Struct(">I")
 
 
@@ -24,19 +25,20 @@ class NoDaemon(Exception):
     """Nothing answers on the socket; str() is one line."""
 
 
-def encode(obj: dict) -> bytes:
+def encode(obj: dict, limit: int = MAX_FRAME) -> bytes:
     """One frame."""
     body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    if len(body) > MAX_FRAME:
-        raise ProtocolError(f"message too large ({len(body)} bytes; at most {MAX_FRAME})")
+    if len(body) > limit:
+        raise ProtocolError(f"message too large ({len(body)} bytes; at most {limit})")
     return _HEADER.pack(len(body)) + body
 
 
 class FrameReader:
     """Collects bytes until one whole frame is there."""
 
-    def __init__(self) -> None:
-        self.buf = b""
+    def __init__(self, limit: int = MAX_FRAME) -> None:
+        self.buf = bytearray()
+        self.limit = limit
 
     def feed(self, data: bytes) -> Optional[dict]:
         """Add bytes; the object once its frame is complete, else None; ProtocolError for a bad frame."""
@@ -44,11 +46,11 @@ class FrameReader:
         if len(self.buf) < _HEADER.size:
             return None
         (size,) = _HEADER.unpack_from(self.buf)
-        if size > MAX_FRAME:
-            raise ProtocolError(f"frame too large ({size} bytes; at most {MAX_FRAME})")
+        if size > self.limit:
+            raise ProtocolError(f"frame too large ({size} bytes; at most {self.limit})")
         if len(self.buf) < _HEADER.size + size:
             return None
-        body = self.buf[_HEADER.size : _HEADER.size + size]
+        body = bytes(self.buf[_HEADER.size : _HEADER.size + size])
         try:
             obj = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -73,7 +75,7 @@ def request(path: str, obj: dict, timeout: float = 30.0) -> dict:
         except PermissionError:
             raise NoDaemon(f"{path}: permission denied") from None
         sock.sendall(encode(obj))
-        reader = FrameReader()
+        reader = FrameReader(MAX_ANSWER)
         while True:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             data = sock.recv(65536)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from gpu_mon.queue.protocol import FrameReader, ProtocolError, encode
+from gpu_mon.queue.protocol import MAX_ANSWER, FrameReader, ProtocolError, encode
 from gpu_mon.queue.requests import Peer, Requests
 
 log = logging.getLogger("gpu_mon")
@@ -44,6 +44,7 @@ class _Conn:
     deadline: float
     reader: FrameReader = field(default_factory=FrameReader)
     out: bytes = b""
+    sent: int = 0
     answered: bool = False
 
 
@@ -178,7 +179,7 @@ class Server:
 
     def _answer(self, conn: _Conn, answer: dict) -> None:
         try:
-            conn.out = encode(answer)
+            conn.out = encode(answer, MAX_ANSWER)
         except Exception as err:  # (an answer too large to send)
             conn.out = encode({"ok": False, "error": str(err), "code": 1})
         conn.answered = True
@@ -188,14 +189,13 @@ class Server:
 
     def _write(self, conn: _Conn) -> None:
         try:
-            sent = conn.sock.send(conn.out)
+            conn.sent += conn.sock.send(memoryview(conn.out)[conn.sent :])
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._close(conn)
             return
-        conn.out = conn.out[sent:]
-        if not conn.out:
+        if conn.sent >= len(conn.out):
             self._close(conn)
 
     def _expire(self, now: float) -> None:
