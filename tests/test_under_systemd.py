@@ -84,9 +84,14 @@ def _drop_in(executable: str) -> str:
     return f"[Service]\nEnvironment=GPU_MON_SIM={SIM}\nExecStart=\nExecStart={executable}\n"
 
 
+def _gpu_mon() -> str:
+    """This checkout's installed `gpu-mon` (the container sees the same path)."""
+    return str(Path(sys.executable).with_name("gpu-mon"))
+
+
 def _install(box: Container) -> None:
     """The shipped units, and drop-ins that only say where this checkout's gpu-mon is."""
-    gpu_mon = str(Path(sys.executable).with_name("gpu-mon"))
+    gpu_mon = _gpu_mon()
     for unit in (UNIT, SENTINEL):
         box.write(f"/etc/systemd/system/{unit}", (ROOT / "systemd" / unit).read_text())
     box.write(f"{DROP_INS}/{INSTALLATION}", _drop_in(f"{gpu_mon} run"))
@@ -260,6 +265,10 @@ def test_workloads_contained_as_nobody_with_history(service: Service):
     for group in groups:
         procs = (service.group_dir() / group / "cgroup.procs").read_text().split()
         assert len(procs) == 2, f"{group}: leader and job expected, found {procs}"  # leader + job
+    # An admin's `gpu-mon status` reads what the daemon keeps in /run/gpu_mon under the sandbox.
+    doc = json.loads(service.box.run([_gpu_mon(), "status", "--json"]).stdout)
+    assert str(doc["daemon"]["pid"]) == main, doc["daemon"]
+    assert {(w["key"], w["state"]) for w in doc["workloads"]} == {("w", "running"), ("x", "running")}
     history = service.box.path("/var/lib/gpu_mon/history.sqlite")
     wait_for(lambda: history.exists() and history.stat().st_size > 0, what="the history database written")
     assert not service.lines(priority="warning"), service.lines(priority="warning")
@@ -287,8 +296,7 @@ def test_a_foreign_open_stops_the_workload_until_it_ends(service: Service):
     assert [name for name, _pid in service.jobs()] == ["w", "x"]
     # The history under the sandbox has the preemption, timed from the open to the stop signal.
     service.systemctl("stop", UNIT)
-    gpu_mon = str(Path(sys.executable).with_name("gpu-mon"))
-    report = json.loads(service.box.run([gpu_mon, "report", "--json", "--since", "1h"]).stdout)
+    report = json.loads(service.box.run([_gpu_mon(), "report", "--json", "--since", "1h"]).stdout)
     gpu0 = next(g for g in report["gpus"] if g["uuid"] == service.host.uuid(0))
     assert gpu0["preemptions"] >= 1, gpu0
     print(f"gpu-mon report: yield latency p50 {gpu0['yield_ms_p50']} ms")
@@ -297,10 +305,13 @@ def test_a_foreign_open_stops_the_workload_until_it_ends(service: Service):
 def test_reload_adds_a_section(service: Service):
     _both_jobs_up(service)
     main = service.show("MainPID")["MainPID"]
-    _write_config(service.box, CONFIG + f"\n[process-y]\ncmd = {JOB_CMD} y SIGTERM\ngpus = 2\n")
+    # y's output goes to a file in the unit's LogsDirectory (root's, written without CAP_DAC_OVERRIDE).
+    log = "/var/log/gpu-mon/y.log"
+    _write_config(service.box, CONFIG + f"\n[process-y]\ncmd = {JOB_CMD} y SIGTERM\ngpus = 2\nlog = {log}\n")
     service.systemctl("reload", UNIT)
     service.wait_line(r"^reloaded /etc/gpu_mon.conf; added: \[process-y\]$")
-    service.wait_line(r"^y\[\d+\]: y up as uid 65534")
+    path = service.box.path(log)
+    wait_for(lambda: path.exists() and "y up as uid 65534" in path.read_text(), what=f"y's line in {log}")
     assert service.show("MainPID")["MainPID"] == main
     assert not any(re.match(r"^[wx]\[\d+\] stopped", line) for _t, line in service.lines())
 
