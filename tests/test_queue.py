@@ -8,6 +8,7 @@ import grp
 import json
 import os
 import pwd
+import resource
 import shutil
 import signal
 import socket
@@ -516,3 +517,35 @@ def test_a_stopped_daemon_requeues_its_running_job_and_a_second_daemon_never_sha
         "the second run's report",
     )
     assert starts == [1]
+
+
+def test_a_thousand_connections_at_once_never_keep_another_users_submit_out(lab, daemon_factory):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"needs 1300 open files (the hard limit is {hard})")
+    # The daemon may have 300 files open (it then serves at most 44 clients at once): the crowd cannot
+    # all be served together, and the one who crowds loses their own oldest connections, nobody else's.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))
+    try:
+        daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    try:
+        wait_for(lab.socket.exists, 20, "the queue's socket")
+        crowd = [_connect(lab.socket) for _ in range(1000)]
+        try:
+            r = lab.run(lab.bob, "submit", *lab.job_cmd("exit", "0"))
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.startswith("job 1 queued")
+            evicted = 0
+            for s in crowd[:100]:  # the first of the crowd were told why, in one line
+                s.settimeout(10)
+                if _answer(s) == {"ok": False, "error": "too many connections from you at once", "code": 1}:
+                    evicted += 1
+            assert evicted == 100
+        finally:
+            for s in crowd:
+                s.close()
+        lab.wait_state(lab.bob, 1, "done")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -60,7 +60,6 @@ class Server:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = False
         self.max_conns = _max_connections()
-        self.listening = False
 
     def start(self) -> None:
         """Make the socket and start serving; ServerError when the socket cannot be made."""
@@ -86,7 +85,6 @@ class Server:
         listener.setblocking(False)
         self.listener = listener
         self.sel.register(listener, selectors.EVENT_READ, "listen")
-        self.listening = True
         self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.thread = threading.Thread(target=self._serve, name="gpu-mon-queue", daemon=True)
         self.thread.start()
@@ -137,11 +135,7 @@ class Server:
 
     def _accept(self) -> None:
         assert self.listener is not None
-        for _ in range(256):
-            if len(self.conns) >= self.max_conns:  # the rest wait in the backlog until others are done
-                self.sel.unregister(self.listener)
-                self.listening = False
-                return  # a burst; the rest next time round
+        for _ in range(256):  # a burst; the rest next time round
             try:
                 sock, _addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -156,6 +150,25 @@ class Server:
             conn = _Conn(sock, Peer(pid, uid, gid), time.monotonic() + CLIENT_SECONDS)
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
+            if len(self.conns) > self.max_conns:
+                self._evict()
+
+    def _evict(self) -> None:
+        """Too many clients at once: the user with the most connections loses their oldest waiting one
+        (one line), so that many connections of one user never keep another's submit out."""
+        per_uid: Dict[int, int] = {}
+        for c in self.conns.values():
+            per_uid[c.peer.uid] = per_uid.get(c.peer.uid, 0) + 1
+        uid = max(per_uid, key=lambda u: per_uid[u])
+        waiting = [c for c in self.conns.values() if c.peer.uid == uid and not c.answered]
+        if not waiting:
+            return
+        oldest = min(waiting, key=lambda c: c.deadline)
+        with contextlib.suppress(OSError):
+            oldest.sock.send(
+                encode({"ok": False, "error": "too many connections from you at once", "code": 1})
+            )
+        self._close(oldest)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -211,14 +224,10 @@ class Server:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
-        if not self.listening and self.listener is not None and not self._stopping:
-            self.sel.register(self.listener, selectors.EVENT_READ, "listen")
-            self.listening = True
 
 
 def _max_connections() -> int:
-    """Clients served at once: within the open-files limit, leaving the daemon room for its own files
-    (more clients wait in the listen backlog, and are served as others finish)."""
+    """Clients served at once: within the open-files limit, leaving the daemon room for its own files."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
