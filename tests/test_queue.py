@@ -549,3 +549,55 @@ def test_a_thousand_connections_at_once_never_keep_another_users_submit_out(lab,
         lab.wait_state(lab.bob, 1, "done")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_output_logs_follow_wait_and_no_requeue(lab, daemon_factory, sim):
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    out = lab.alice.work / "mine.out"
+    code = "import sys; print('line one', flush=True); print('to stderr', file=sys.stderr); sys.exit(3)"
+    r = lab.run(lab.alice, "submit", "--wait", "--output", "mine.out", "--", PY, "-c", code)
+    assert r.returncode == 3, r.stderr  # --wait: the job's own status
+    assert r.stdout == "job 1 queued (0 ahead)\n" and r.stderr == "job 1 failed\n"
+    assert out.read_text() == "line one\nto stderr\n" and out.stat().st_uid == lab.alice.uid
+    assert out.stat().st_mode & 0o777 == 0o600  # made by the job, as alice, for alice
+    r = lab.run(lab.alice, "logs", "1")
+    assert (r.returncode, r.stdout) == (0, "line one\nto stderr\n")
+    text = lab.run(lab.alice, "jobs", "--all").stdout.splitlines()
+    assert text[0].split() == [
+        "ID",
+        "USER",
+        "STATE",
+        "GPUS",
+        "TIME",
+        "RESTARTS",
+        "NAME",
+        "/",
+        "COMMAND",
+        "WHY",
+    ]
+    assert text[1].split()[:3] == ["1", "gmqalice", "failed"] and text[1].endswith("exited with status 3")
+    # --no-requeue: preempted once, it ends as `preempted`; `logs --follow` prints until the end
+    job_id = lab.submit(lab.alice, "--no-requeue", *lab.job_cmd("forever"))
+    lab.wait_state(lab.alice, job_id, "running")
+    follow = subprocess.Popen(
+        [PY, "-m", "gpu_mon", "--config", str(lab.client_conf), "logs", "--follow", str(job_id)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(lab.alice.work),
+        user=lab.alice.uid,
+        group=lab.alice.gid,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(lab.alice.home), "PYTHONPATH": str(lab.code)},
+    )
+    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+        job = lab.wait_state(lab.alice, job_id, "preempted")
+        assert job["reason"] == "preempted (no requeue)" and job["restarts"] == 0
+        assert follow.wait(20) == 0  # --follow ended with the job
+    finally:
+        opener.kill()
+        opener.wait()
+        follow.kill()
+        follow.wait()
+    d.wait_log(r"queue: job 2 of gmqalice .*: preempted")
