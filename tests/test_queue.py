@@ -601,3 +601,15 @@ def test_output_logs_follow_wait_and_no_requeue(lab, daemon_factory, sim):
         follow.kill()
         follow.wait()
     d.wait_log(r"queue: job 2 of gmqalice .*: preempted")
+
+
+def test_only_the_allowed_groups_may_submit(lab, daemon_factory):
+    daemon_factory(queue_body(lab, f"groups = {GROUP}\n"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    r = lab.run(lab.bob, "submit", *lab.job_cmd("exit", "0"))
+    assert (r.returncode, r.stderr) == (
+        1,
+        "gpu-mon: gmqbob may not submit jobs here ([queue] users and groups)\n",
+    )
+    assert lab.submit(lab.alice, *lab.job_cmd("exit", "0")) == 1  # a member of the group
+    assert lab.run(lab.bob, "jobs").returncode == 0  # listing is for everyone
