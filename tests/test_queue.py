@@ -263,7 +263,8 @@ def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_c
         d.wait_log(r"busy: root .*; stopping job 1")
         job = lab.wait_state(lab.alice, job_id, "queued")
         assert job["restarts"] == 1
-        assert "GPU 0 busy: root" in job["reason"]  # it waits, and says for whom
+        reason = lambda: lab.jobs(lab.alice)[job_id]["reason"]  # noqa: E731
+        wait_for(lambda: "GPU 0 busy: root" in reason(), 10, "the reason")  # it waits, and says for whom
         events = [(e["event"], e["restart"]) for e in lab.reports(lab.alice, job_id)]
         assert events == [("start", 0), ("signal", 0)]  # the checkpoint signal, not SIGTERM
         assert lab.reports(lab.alice, job_id)[1]["sig"] == signal.SIGUSR1
@@ -293,7 +294,7 @@ def test_fair_order_lets_a_user_with_one_job_in_before_anothers_many(
         for _ in range(3):
             lab.submit(lab.alice, *lab.job_cmd("exit", "0"))
         lab.submit(lab.bob, *lab.job_cmd("exit", "0"))
-        jobs = lab.jobs(lab.bob)
+        jobs = wait_for(lambda: (j := lab.jobs(lab.bob))[4]["reason"] != "waiting: just submitted" and j, 10)
         assert "GPU 0 busy: root" in jobs[1]["reason"] and jobs[4]["reason"] == f"waiting: {ahead}"
     finally:
         opener.kill()
@@ -340,7 +341,7 @@ def test_after_chains_a_failed_dependency_cancels_and_a_time_limit_ends_as_timeo
     two = lab.submit(lab.alice, "--after", str(one), *lab.job_cmd("exit", "0"))
     bad = lab.submit(lab.alice, "--hold", *lab.job_cmd("exit", "3"))
     after_bad = lab.submit(lab.bob, "--after", f"{one},{bad}", *lab.job_cmd("exit", "0"))
-    jobs = lab.jobs(lab.alice)
+    jobs = wait_for(lambda: (j := lab.jobs(lab.alice))[two]["reason"] != "waiting: just submitted" and j, 10)
     assert jobs[one]["state"] == "held" and jobs[two]["reason"] == f"waiting: after job {one}"
     assert lab.run(lab.alice, "release", str(one), str(bad)).returncode == 0
     assert lab.wait_state(lab.alice, bad, "failed")["exit_status"] == 3

@@ -180,14 +180,16 @@ class Queue:
             return _without_claimed(decision, self.plan.claimed) if self.plan else decision
         if force or inputs != self.placed_on:
             self.force_place = False
-            self.plan = placement.place(self.store.all(), views, self.q, self.delay, now, wall)
+            known = self.store.all()
+            self.plan = placement.place(known, views, self.q, self.delay, now, wall)
             self.placed_on = inputs
             self.placed_at = now
             self._dependencies(self.plan, wall)
             self._take_from_workloads(self.plan, index_of, now)
             for s in self.plan.starts:
                 self._start(s, index_of, now, wall)
-            self.view = View(waiting=self.plan.waiting, index_of=dict(index_of))
+            last = known[-1].id if known else 0
+            self.view = View(waiting=self.plan.waiting, index_of=dict(index_of), placed_up_to=last)
         wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
         self.next_wake = min(wakes) if wakes else None
         return _without_claimed(decision, self.plan.claimed)

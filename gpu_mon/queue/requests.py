@@ -53,6 +53,7 @@ class View:
 
     waiting: Dict[int, Waiting] = dataclasses.field(default_factory=dict)
     index_of: Dict[str, int] = dataclasses.field(default_factory=dict)
+    placed_up_to: int = 0  # the highest job id the last placement knew
 
 
 def default_output(home: str, job_id: int) -> str:
@@ -278,6 +279,8 @@ def describe(j: Job, view: View, now: float) -> dict:
     reason = j.reason
     if j.state == J.QUEUED and j.id in view.waiting:
         reason = waiting_words(view.waiting[j.id], j.user, view.index_of, now)
+    elif j.state == J.QUEUED and j.id > view.placed_up_to:
+        reason = "waiting: just submitted"  # (the next placement, within 0.2 s, says more)
     elif j.state == J.HELD:
         reason = "held"
     return {
