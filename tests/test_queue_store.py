@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -108,3 +109,15 @@ def test_a_corrupt_or_foreign_file_is_moved_aside_with_one_line(tmp_path, caplog
     assert len(lines) == 1 and "is unusable" in lines[0] and "moved aside to" in lines[0]
     assert store.all() == [] and store.submit(new_job(), 10)[0].id == 1
     assert [p.name for p in tmp_path.iterdir() if ".bad-" in p.name]
+
+
+def test_a_run_lost_with_an_earlier_daemon_ends_as_its_stop_meant_or_goes_back_to_the_queue():
+    running = J.started(new_job(id=5), ("GPU-0",), 10.0, 123, 456)
+    assert (J.run_lost(running, 20.0).state, J.run_lost(running, 20.0).restarts) == (J.QUEUED, 1)
+    cancelled = J.run_lost(J.stopping(running, J.STOP_CANCEL), 20.0)
+    assert (cancelled.state, cancelled.ended) == (J.CANCELLED, 20.0)
+    assert J.run_lost(J.stopping(running, J.STOP_TIMEOUT), 20.0).state == J.TIMEOUT
+    restart = J.run_lost(J.stopping(running, J.STOP_RESTART), 20.0)
+    assert (restart.state, restart.restarts, restart.leader_pid) == (J.QUEUED, 1, 0)
+    no_requeue = dataclasses.replace(running, requeue=False)
+    assert J.run_lost(J.stopping(no_requeue, J.STOP_PREEMPT), 20.0).state == J.PREEMPTED

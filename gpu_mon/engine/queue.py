@@ -106,11 +106,16 @@ class Queue:
                 continue
             if _alive(job.leader_pid, job.leader_ticks):
                 self.orphans[job.id] = (job.leader_pid, job.leader_ticks)
-                self.store.change(job.id, lambda j: J.stopping(j, J.STOP_RESTART))
+                self.store.change(
+                    job.id, lambda j: j if j.state == J.STOPPING else J.stopping(j, J.STOP_RESTART)
+                )
                 log.info("queue: job %d: the processes an earlier gpu-mon started are stopping", job.id)
             else:
-                self.store.change(job.id, _rerun)
-                log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
+                new = self.store.change(job.id, lambda j: J.run_lost(j, self.wall()))
+                if new is not None and new.state == J.QUEUED:
+                    log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
+                elif new is not None:
+                    log.info("queue: job %d was stopping when gpu-mon stopped: %s", job.id, new.state)
 
     def requeue_running(self) -> None:
         """Every workload is being stopped (gpu-mon stops, or an internal error): the running jobs go
@@ -234,7 +239,10 @@ class Queue:
                 log.info("queue: job %d (%s): %s; stopping it", job.id, sanitize(job.user), why)
             elif w is None and job.id not in self.orphans:
                 gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
-        self.store.change_many((i, lambda j: _rerun(j) if j.state == J.STOPPING else None) for i in gone)
+        wall = self.wall()
+        self.store.change_many(
+            (i, lambda j: J.run_lost(j, wall) if j.state == J.STOPPING else None) for i in gone
+        )
 
     def _dependencies(self, plan: placement.Placement, wall: float) -> None:
         for c in plan.cancels:
@@ -320,18 +328,17 @@ class Queue:
 
     def _orphans_gone(self) -> None:
         gone = [i for i, (pid, ticks) in self.orphans.items() if not _alive(pid, ticks)]
+        wall = self.wall()
         for job_id in gone:
             del self.orphans[job_id]
             self.force_place = True
-            if self.store.change(job_id, lambda j: _rerun(j) if j.state == J.STOPPING else None):
-                log.info("queue: job %d: the earlier gpu-mon's processes are gone: back in the queue", job_id)
+            new = self.store.change(
+                job_id, lambda j, w=wall: J.run_lost(j, w) if j.state == J.STOPPING else None
+            )
+            if new is not None:
+                log.info("queue: job %d: the earlier gpu-mon's processes are gone: %s", job_id, new.state)
         if self.orphans:
             self.dirty = True  # look again next round
-
-
-def _rerun(job: Job) -> Job:
-    """Its run is gone with an earlier daemon: back in the queue, as a restart."""
-    return dataclasses.replace(J.requeued_after_restart(job), restarts=job.restarts + 1)
 
 
 def _cancel_queued(job: Job, wall: float, reason: str) -> Optional[Job]:

@@ -101,6 +101,14 @@ def ended(job: Job, now: float, returncode: int) -> Job:
     return dataclasses.replace(base, state=state, ended=now, reason="")
 
 
+def run_lost(job: Job, now: float) -> Job:
+    """Its run is gone with an earlier daemon (no exit status seen): a stop under way ends as it was meant
+    to (a cancel cancelled, a time limit timeout); a running job goes back to the queue, as a restart."""
+    if job.state == STOPPING and job.reason != STOP_RESTART:
+        return ended(job, now, 128 + 9)
+    return dataclasses.replace(requeued_after_restart(job), restarts=job.restarts + 1)
+
+
 def requeued_after_restart(job: Job) -> Job:
     """The daemon that ran it is gone (and its processes with it): back in the queue, in its place."""
     return dataclasses.replace(
