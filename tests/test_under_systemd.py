@@ -4,7 +4,9 @@ over this machine's own root (tests/nspawn.py), and every test drives gpu-mon on
 
 Installation: the unit files exactly as shipped (systemd/gpu-mon.service, systemd/gpu-mon-sentinel.service)
 in the container's /etc/systemd/system, with one drop-in each that changes only where gpu-mon is
-(`ExecStart=` pointing at this checkout's installation) and sets GPU_MON_SIM for the simulated GPUs. Not
+(`ExecStart=` runs this test run's Python on `-m gpu_mon`, with the checkout and its virtual environment's
+packages on PYTHONPATH, bind-mounted read-only under /srv: the unit's PrivateTmp=yes hides the host's /tmp
+from the service, and a checkout may be there) and sets GPU_MON_SIM for the simulated GPUs. Not
 the .deb: the container's /usr is the host's, mounted read-only by `--volatile=yes`, so dpkg cannot put
 files there, and installing the package on the host itself is tests/test_deb.py's business. Everything
 else (Type=notify, the watchdog, KillMode=mixed, Delegate=yes, the sandbox, the restart rules) is the
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import site
 import sys
 import time
 from pathlib import Path
@@ -35,6 +38,7 @@ from nspawn import BootError, Container, python_binds
 from test_systemd_unit import MAX_EXPOSURE
 
 SRV = "/srv/gpu-mon-test"
+CHECKOUT = "/srv/gpu-mon-checkout"  # the checkout, read-only, for the service
 SIM = f"{SRV}/sim.json"
 UNIT = "gpu-mon.service"
 SENTINEL = "gpu-mon-sentinel.service"
@@ -80,22 +84,41 @@ OPENER = (
 )
 
 
-def _drop_in(executable: str) -> str:
-    return f"[Service]\nEnvironment=GPU_MON_SIM={SIM}\nExecStart=\nExecStart={executable}\n"
+def _site_dirs() -> List[str]:
+    """This test run's package directories outside /usr (a virtual environment's site-packages)."""
+    return [d for d in site.getsitepackages() if not d.startswith("/usr/") and os.path.isdir(d)]
+
+
+def _checkout_binds() -> List[str]:
+    """The checkout and its packages, read-only at fixed places under /srv: the unit's PrivateTmp hides the
+    host's /tmp from the service, and a checkout (CI's clone, say) may well be there."""
+    binds = [f"{ROOT}:{CHECKOUT}"]
+    binds += [f"{d}:{CHECKOUT}-site{i}" for i, d in enumerate(_site_dirs())]
+    return binds
+
+
+def _drop_in(args: str) -> str:
+    """Where the service finds this checkout's gpu-mon: the interpreter itself, with the checkout and its
+    packages on PYTHONPATH (at their places under /srv)."""
+    path = ":".join([CHECKOUT] + [f"{CHECKOUT}-site{i}" for i in range(len(_site_dirs()))])
+    python = os.path.realpath(sys.executable)
+    return (
+        f"[Service]\nEnvironment=GPU_MON_SIM={SIM} PYTHONPATH={path}\n"
+        f"ExecStart=\nExecStart={python} -m gpu_mon {args}\n"
+    )
 
 
 def _gpu_mon() -> str:
-    """This checkout's installed `gpu-mon` (the container sees the same path)."""
+    """This checkout's installed `gpu-mon`, for commands run in the container outside the service."""
     return str(Path(sys.executable).with_name("gpu-mon"))
 
 
 def _install(box: Container) -> None:
     """The shipped units, and drop-ins that only say where this checkout's gpu-mon is."""
-    gpu_mon = _gpu_mon()
     for unit in (UNIT, SENTINEL):
         box.write(f"/etc/systemd/system/{unit}", (ROOT / "systemd" / unit).read_text())
-    box.write(f"{DROP_INS}/{INSTALLATION}", _drop_in(f"{gpu_mon} run"))
-    sentinel = _drop_in(f"{gpu_mon} sentinel $GPU_MON_SENTINEL_OPTS")
+    box.write(f"{DROP_INS}/{INSTALLATION}", _drop_in("run"))
+    sentinel = _drop_in("sentinel $GPU_MON_SENTINEL_OPTS")
     box.write(f"/etc/systemd/system/{SENTINEL}.d/{INSTALLATION}", sentinel)
     box.run(["systemctl", "daemon-reload"])
 
@@ -122,6 +145,7 @@ def _booted(host: SimHost) -> Iterator[Container]:
     """A booted container with gpu-mon installed; afterwards nothing of it is left (checked)."""
     bound = [str(ROOT)]
     bound += [p for p in python_binds() if not any(p.startswith(b + "/") or p == b for b in bound)]
+    bound += _checkout_binds()
     container = Container(host.dir, binds_ro=bound, binds_rw={str(host.dir): SRV})
     try:
         why = _boot(container)
@@ -161,7 +185,12 @@ class Service:
         return self.box.show(UNIT, *props)
 
     def systemctl(self, *args: str, check: bool = True):
-        return self.box.run(["systemctl", *args], check=check)
+        """systemctl in the container; a failure says what the unit's journal said (its last lines)."""
+        try:
+            return self.box.run(["systemctl", *args], check=check)
+        except AssertionError as err:
+            said = "\n".join(line for _t, line in self.lines()[-15:])
+            raise AssertionError(f"{err}\n--- journal of {UNIT}:\n{said}") from None
 
     def lines(self, unit: str = UNIT, priority: Optional[str] = None) -> List[Tuple[float, str]]:
         return self.box.journal(unit, self.since, priority)
