@@ -121,10 +121,10 @@ class Queue:
         """Every workload is being stopped (gpu-mon stops, or an internal error): the running jobs go
         back to the queue when their processes are gone."""
 
-        def restart(j: Job) -> Optional[Job]:
-            return J.stopping(j, J.STOP_RESTART) if j.state in J.LIVE and j.reason != J.STOP_CANCEL else None
+        def restart(j: Job) -> Optional[Job]:  # (a stop under way keeps its meaning: cancel, time limit)
+            return J.stopping(j, J.STOP_RESTART) if j.state == J.RUNNING else None
 
-        self.store.change_many([(j.id, restart) for j in self.store.all() if j.state in J.LIVE])
+        self.store.change_many([(j.id, restart) for j in self.store.all() if j.state == J.RUNNING])
 
     def close(self) -> None:
         """Stop listening; close the database; let the next daemon have the queue."""
