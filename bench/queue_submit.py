@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: the queue with many jobs queued: `submit` -> id latency, and `jobs`.
 
-    sudo python bench/queue.py [--jobs 10000]
+    sudo python bench/queue_submit.py [--jobs 10000]
 
 A real `gpu-mon run` (root) on two simulated GPUs that someone else holds (so nothing starts and every job
 stays queued), with a [queue]. We submit --jobs jobs through the socket as a client does (one connection,
@@ -29,6 +29,9 @@ sys.path.insert(0, str(ROOT))
 from background import median, percentile, table  # noqa: E402
 
 from gpu_mon.queue.protocol import NoDaemon, request  # noqa: E402
+
+# Not bench/queue.py: run as a script, that name would hide the standard library's queue module.
+PROG = "bench/queue_submit.py"
 
 HOLD = "import sys, time; f = open(sys.argv[1]); print('open', flush=True); time.sleep(3600)"
 
@@ -63,7 +66,7 @@ def _wait(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise SystemExit(f"bench/queue.py: timed out waiting for {what}")
+            raise SystemExit(f"{PROG}: timed out waiting for {what}")
         time.sleep(0.05)
 
 
@@ -73,7 +76,7 @@ def _submit(sock: str, i: int) -> float:
     answer = request(sock, req)
     took = time.perf_counter() - t
     if not answer.get("ok"):
-        raise SystemExit(f"bench/queue.py: submit refused: {answer.get('error')}")
+        raise SystemExit(f"{PROG}: submit refused: {answer.get('error')}")
     return took
 
 
@@ -111,7 +114,7 @@ def run(jobs: int) -> Dict[str, float]:
         )
         jobs_cli = time.perf_counter() - t
         if len(listed) != jobs or cli.returncode != 0:
-            raise SystemExit(f"bench/queue.py: `jobs` listed {len(listed)} of {jobs}: {cli.stderr[-200:]!r}")
+            raise SystemExit(f"{PROG}: `jobs` listed {len(listed)} of {jobs}: {cli.stderr[-200:]!r}")
         return {
             "jobs": jobs,
             "submit_p50_ms": median(last) * 1000,
@@ -121,7 +124,7 @@ def run(jobs: int) -> Dict[str, float]:
             "jobs_command_ms": jobs_cli * 1000,
         }
     except NoDaemon as err:
-        raise SystemExit(f"bench/queue.py: {err}; see {base / 'daemon.log'}") from None
+        raise SystemExit(f"{PROG}: {err}; see {base / 'daemon.log'}") from None
     finally:
         daemon.terminate()
         daemon.wait(30)
@@ -138,7 +141,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if os.geteuid() != 0:
-        print("bench/queue.py: run it as root (the daemon runs jobs as their users)", file=sys.stderr)
+        print(f"{PROG}: run it as root (the daemon runs jobs as their users)", file=sys.stderr)
         return 2
     r = run(a.jobs)
     if a.json:
