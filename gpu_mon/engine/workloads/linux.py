@@ -61,21 +61,44 @@ def kill_tree(root: int, sig: int, skip: Iterable[int] = (), proc: str = procfs.
     return count
 
 
-def kill_until_gone(root: int, skip: Iterable[int] = (), budget_seconds: float = 0.2) -> bool:
+def kill_until_gone(
+    root: int, skip: Iterable[int] = (), budget_seconds: float = 0.2, quiet_passes: int = 3
+) -> bool:
     """SIGKILL every descendant of `root`, again and again, until none is left; False if some remain.
 
     Without a cgroup this is the only way to reach processes that left the workload's session: they are
     still our descendants, because the leader (and the daemon) are child subreapers. Each pass first kills
-    the direct children (orphans come back to us there) and then the whole tree; a pass misses only
-    processes forked after it listed them, which the next pass finds.
+    the direct children (orphans come back to us there) and then the whole tree. A pass reads /proc one
+    process at a time, so a process that forks and exits in a loop can be gone from what it listed and its
+    child not yet in it: done means `quiet_passes` passes in a row that found no live descendant at all
+    (not merely none that could still be signalled). The caller tries again later on False.
     """
     skipped: Set[int] = set(skip)
     deadline = time.monotonic() + budget_seconds
+    quiet = 0
     while True:
-        for pid in procfs.children(root):
-            if pid not in skipped:
-                signal_pid(pid, None, signal.SIGKILL)
-        if not kill_tree(root, signal.SIGKILL, skipped):
-            return True  # nothing alive was left to fork anything new
+        quiet = 0 if _kill_pass(root, skipped) else quiet + 1
+        if quiet >= quiet_passes:
+            return True
         if time.monotonic() > deadline:
             return False
+
+
+def _kill_pass(root: int, skipped: Set[int]) -> bool:
+    """One pass of kill_until_gone: whether it saw any live descendant (each one seen is sent SIGKILL)."""
+    seen = False
+    for pid in procfs.children(root):
+        if pid not in skipped and _live(pid):
+            seen = True
+            signal_pid(pid, None, signal.SIGKILL)
+    for pid, start in procfs.descendants(root, skip=skipped).items():
+        if _live(pid):
+            seen = True
+            signal_pid(pid, start, signal.SIGKILL)
+    return seen
+
+
+def _live(pid: int) -> bool:
+    """Not a zombie (whose reaping is the parent's business) and not gone."""
+    st = procfs.read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")

@@ -140,6 +140,7 @@ class Supervisor:
         self.workloads: Dict[str, Workload] = {}
         self.exits: List[Exited] = []
         self.draining: List[str] = []  # cgroups of ended workloads that still have processes in them
+        self.sweeping = False  # orphans of a killed leader outlasted a sweep: sweep again at each tick
         self.own_pid = os.getpid()
         self.helpers: Dict[int, subprocess.Popen] = {}  # our own short jobs (the sentinel's action)
 
@@ -325,6 +326,8 @@ class Supervisor:
                 linux.kill_until_gone(w.pid)
             w.kill_at = now + 1.0
         self.drain()
+        if self.sweeping:
+            self.sweep_orphans()
 
     def drain(self) -> None:
         """Kill and remove the cgroups of ended workloads until they are empty."""
@@ -336,12 +339,12 @@ class Supervisor:
 
     def busy(self) -> bool:
         """Whether any workload, or anything left of one, still runs."""
-        return bool(self.workloads or self.draining)
+        return bool(self.workloads or self.draining or self.sweeping)
 
     def next_deadline(self, now: float) -> Optional[float]:
         """When `tick` next has something to do (monotonic), or None."""
         kill = self.next_kill()
-        if self.draining:
+        if self.draining or self.sweeping:
             kill = min(kill, now + 0.05) if kill is not None else now + 0.05
         return kill
 
@@ -459,9 +462,11 @@ class Supervisor:
         """Kill and reap our descendants that no live leader owns: remnants of a killed leader.
 
         We are a child subreaper (daemon.py), so they were reparented to us; only our own descendants can be.
+        What one sweep's budget does not finish (a fork chain on a loaded machine) is swept again at every
+        tick until nothing is left.
         """
         leaders = {w.pid for w in self.workloads.values()} | set(self.helpers)
-        linux.kill_until_gone(self.own_pid, skip=leaders)
+        self.sweeping = not linux.kill_until_gone(self.own_pid, skip=leaders)
         self.reap_orphans()
 
     def reap_orphans(self) -> None:
