@@ -6,7 +6,9 @@ import os
 import socket
 import statistics
 import subprocess
-from typing import Dict, List, Optional, Sequence
+import sys
+from pathlib import Path
+from typing import IO, Dict, List, Optional, Sequence, Tuple
 
 
 class Background:
@@ -83,3 +85,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_daemon(work: Path, conf: str, pythonpath: str) -> Tuple[subprocess.Popen, IO[bytes]]:
+    """`gpu-mon run` on work/sim.json with conf (written to work/gpu_mon.conf, 0600), in its own session,
+    its output to work/daemon.log: (the process, the log file to close after it)."""
+    path = work / "gpu_mon.conf"
+    path.write_text(conf)
+    os.chmod(path, 0o600)
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    env.pop("NOTIFY_SOCKET", None)
+    log = open(work / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until the caller closes it
+    argv = [sys.executable, "-m", "gpu_mon", "--config", str(path), "--sim", str(work / "sim.json"), "run"]
+    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return daemon, log

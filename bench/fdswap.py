@@ -36,7 +36,7 @@ from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from background import median, table
+from background import median, start_daemon, table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,28 +140,7 @@ class Run:
             f"cmd = {sys.executable} {self.dir / 'workload.py'} {self.report} {node} {sock}\n"
             f"[history]\nenabled = no\n"
         )
-        cpath = self.dir / "gpu_mon.conf"
-        cpath.write_text(conf)
-        os.chmod(cpath, 0o600)
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        env.pop("NOTIFY_SOCKET", None)
-        self.log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - closed in close()
-        self.daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpu_mon",
-                "--config",
-                str(cpath),
-                "--sim",
-                str(self.dir / "sim.json"),
-                "run",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        self.daemon, self.log = start_daemon(self.dir, conf, str(ROOT))
         self.scenario, self.full_scan = scenario, a.full_scan_seconds
 
     def events(self, kind: str) -> List[dict]:

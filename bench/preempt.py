@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import Background, free_port, median, percentile, table  # noqa: E402
+from background import Background, free_port, median, percentile, start_daemon, table  # noqa: E402
 
 WORKLOAD = r"""
 import json, os, signal, sys, time
@@ -170,28 +170,7 @@ class Run:
             )
         if metrics_port:
             conf += f"[metrics]\nlisten = {metrics_port}\ntextfile = {self.dir / 'gpu_mon.prom'}\n"
-        cpath = self.dir / "gpu_mon.conf"
-        cpath.write_text(conf)
-        os.chmod(cpath, 0o600)
-        env = dict(os.environ, PYTHONPATH=str(code))
-        env.pop("NOTIFY_SOCKET", None)
-        self.log = open(self.dir / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until close()
-        self.daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpu_mon",
-                "--config",
-                str(cpath),
-                "--sim",
-                str(self.dir / "sim.json"),
-                "run",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        self.daemon, self.log = start_daemon(self.dir, conf, str(code))
         self.opener = subprocess.Popen(
             [sys.executable, "-c", OPENER, str(self.device)],
             stdin=subprocess.PIPE,
