@@ -65,19 +65,34 @@ def _regular_or_absent(path: str) -> bool:
     return True
 
 
-def connect_rw(path: str) -> sqlite3.Connection:
-    """Open (creating it and its directory) for the daemon's writer: WAL, synchronous=NORMAL, a busy
-    timeout. NotOurs when the file exists but is damaged or someone else's; Unsafe when it is not a
-    regular file."""
+def open_own(path: str, application_id: int, what: str, mode: int, synchronous: str) -> sqlite3.Connection:
+    """Open (creating it, `mode`, and its directory) one of gpu-mon's own databases, marked by its
+    application id: WAL, `synchronous`, a busy timeout, autocommit (the caller writes BEGIN and COMMIT),
+    usable from any thread (the caller serializes). NotOurs when the file exists but is damaged or another
+    application's; Unsafe when it is not a regular file."""
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
     fresh = not _regular_or_absent(path) or os.path.getsize(path) == 0
     conn = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
     try:
         if fresh:
-            os.chmod(path, 0o644)
-        _check(conn, fresh)
+            os.chmod(path, mode)
+            conn.execute(f"PRAGMA application_id={application_id}")
+        else:
+            _check(conn, application_id, what)
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+    except (sqlite3.DatabaseError, NotOurs) as err:
+        conn.close()
+        raise NotOurs(str(err)) from None
+    return conn
+
+
+def connect_rw(path: str) -> sqlite3.Connection:
+    """Open (creating it and its directory) for the daemon's writer: WAL, synchronous=NORMAL, a busy
+    timeout. NotOurs when the file exists but is damaged, someone else's or newer; Unsafe when it is not a
+    regular file."""
+    conn = open_own(path, APPLICATION_ID, "history", 0o644, "NORMAL")
+    try:
         migrate(conn)
     except (sqlite3.DatabaseError, NotOurs) as err:
         conn.close()
@@ -85,13 +100,10 @@ def connect_rw(path: str) -> sqlite3.Connection:
     return conn
 
 
-def _check(conn: sqlite3.Connection, fresh: bool) -> None:
-    if fresh:
-        conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
-        return
+def _check(conn: sqlite3.Connection, application_id: int, what: str) -> None:
     app = conn.execute("PRAGMA application_id").fetchone()[0]
-    if app != APPLICATION_ID:
-        raise NotOurs("not a gpu-mon history database (another application's SQLite file)")
+    if app != application_id:
+        raise NotOurs(f"not a gpu-mon {what} database (another application's SQLite file)")
     ok = conn.execute("PRAGMA quick_check").fetchone()[0]
     if ok != "ok":
         raise NotOurs(f"damaged ({ok})")
@@ -118,13 +130,6 @@ def migrate(conn: sqlite3.Connection) -> None:
         conn.executescript(
             f"BEGIN; {MIGRATIONS[target]} UPDATE schema_version SET version = {target}; COMMIT;"
         )
-
-
-def connect_plain(path: str) -> sqlite3.Connection:
-    """A connection for another of gpu-mon's databases (the queue's, gpu_mon/queue/store.py, which owns its
-    schema): autocommit mode (the caller writes BEGIN and COMMIT), usable from any thread (the caller
-    serializes), a busy timeout."""
-    return sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
 
 
 def connect_ro(path: str) -> sqlite3.Connection:

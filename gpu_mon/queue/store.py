@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -59,20 +58,13 @@ def _from_row(job_id: int, text: str) -> Job:
 
 
 def _connect(path: str):
-    """Open (creating) and check the file; NotOurs when it is damaged, foreign or newer."""
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-    conn = historydb.connect_plain(path)
+    """Open (creating, root's alone: it holds the jobs' environments) and check the file; NotOurs when it is
+    damaged, foreign or newer."""
     try:
-        if fresh:
-            os.chmod(path, 0o600)  # the jobs' environments: root's alone
-            conn.execute(f"PRAGMA application_id={APPLICATION_ID}")
-        elif conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
-            raise NotOurs("not a gpu-mon queue database (another application's file)")
-        elif conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-            raise NotOurs("damaged")
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
+        conn = historydb.open_own(path, APPLICATION_ID, "queue", 0o600, "FULL")
+    except historydb.NotOurs as err:
+        raise NotOurs(str(err)) from None
+    try:
         _migrate(conn)
     except (historydb.Error, NotOurs) as err:
         conn.close()
