@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -161,3 +162,24 @@ def test_sigterm_as_soon_as_the_lock_is_held_is_a_clean_stop(tmp_path, sim):
         wait_for(lambda: lock.holder(str(state)) == d.pid, what="the lock held", interval=0.0005)  # noqa: B023
         d.terminate()
         assert d.wait(20) == 0, d.stderr.read() if d.stderr else ""
+
+
+def test_a_status_probe_holding_the_lock_for_an_instant_does_not_keep_a_daemon_from_starting(tmp_path, sim):
+    # `gpu-mon status` asks holder(), which takes a shared lock for an instant: a daemon starting at that
+    # moment refused with "another gpu-mon daemon is running (pid unknown)" and exited 1 (a test polling
+    # holder() every 0.5 ms hit it in a full CI run). A probe is held longer here, 0.3 s, to make it sure.
+    state = tmp_path / "state.json"
+    c = conf(tmp_path, state)
+    path = lock.lock_path(str(state))
+    Path(path).write_text("")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        d = run(c, sim.path)
+        time.sleep(0.3)  # set-up: the probe's instant, stretched; the daemon tries meanwhile
+    finally:
+        os.close(fd)
+    wait_for(lambda: lock.holder(str(state)) == d.pid or d.poll() is not None, what="the lock taken")
+    assert d.poll() is None, d.stderr.read() if d.stderr else ""
+    d.terminate()
+    assert d.wait(20) == 0

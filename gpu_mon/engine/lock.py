@@ -95,13 +95,7 @@ class DaemonLock:
             raise PlaceError(f"{err.filename or directory}: {err.strerror}", _denied(err)) from None
         for _ in range(3):  # the file may be replaced between open and flock: lock what the path names
             fd = _open(self.path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder_pid(fd)
-                os.close(fd)
-                who = f"pid {holder}" if holder else "pid unknown"
-                raise LockError(f"another gpu-mon daemon is running ({who}; lock {self.path})") from None
+            _take(fd, self.path)
             if _same_file(fd, self.path):
                 self.fd = fd
                 mine = f"{os.getpid()}\n".encode()
@@ -120,17 +114,25 @@ class DaemonLock:
             self.fd = None
 
 
-def _holder_pid(fd: int, wait_seconds: float = 1.0) -> Optional[int]:
-    """The pid the lock's holder wrote. A holder that has just taken the lock may not have written it yet
-    (the file is then empty, or still names the dead daemon before it): wait for a live one, briefly."""
+def _take(fd: int, path: str, wait_seconds: float = 1.0) -> None:
+    """LOCK_EX on fd, or close it and raise LockError naming the daemon that holds the lock.
+
+    A daemon holds it for as long as it runs; `holder()` (what `gpu-mon status` asks) holds a shared lock
+    for an instant: so try again for `wait_seconds` before giving up (a daemon started while someone ran
+    `status` refused to start). Then the pid the holder wrote names it, if it is alive."""
     deadline = time.monotonic() + wait_seconds
     while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
         pid = _read_pid(fd)
-        if pid is not None and os.path.isdir(f"/proc/{pid}"):
-            return pid
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.01)
+        os.close(fd)
+        who = f"pid {pid}" if pid is not None and os.path.isdir(f"/proc/{pid}") else "pid unknown"
+        raise LockError(f"another gpu-mon daemon is running ({who}; lock {path})")
 
 
 def _read_pid(fd: int) -> Optional[int]:
