@@ -16,10 +16,7 @@ from typing import Optional, Sequence
 
 from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, occupy, queue, report, sentinel, stress, watch
-from gpu_mon.commands.check import cmd_check
-from gpu_mon.commands.run import cmd_run
-from gpu_mon.commands.status import cmd_status
+from gpu_mon.commands import base, queue
 from gpu_mon.config import DEFAULT_PATH, ConfigError
 from gpu_mon.outputs import logs
 
@@ -81,8 +78,9 @@ def _add_common(p: argparse.ArgumentParser, top: bool, config: bool = True, sim:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole `gpu-mon` argument parser."""
+def build_parser(only_queue: bool = False) -> argparse.ArgumentParser:
+    """The whole `gpu-mon` argument parser; `only_queue`: with the queue's commands alone (all that
+    `gpu-mon jobs` or `submit` needs: the other commands' modules are not even imported)."""
     parser = _Parser(
         prog="gpu-mon",
         description="Run work on idle NVIDIA GPUs and yield the instant anyone else needs them.",
@@ -91,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    if only_queue:
+        queue.add_arguments(sub, _add_common)
+        _strict_commands(parser)
+        return parser
+    from gpu_mon.commands import occupy, report, sentinel, stress, watch
+
     p = sub.add_parser(
         "run",
         help="the daemon, in the foreground (systemd runs it so); logs to stderr",
@@ -162,12 +166,33 @@ def _stderr(line: str, priority: int = 3) -> None:
     print(f"{prefix}{sanitize(line, 4096)}", file=sys.stderr)
 
 
+def _queue_command(argv: Sequence[str]) -> bool:
+    """Whether the command is one of the queue's (a user's `gpu-mon jobs` starts faster without the rest)."""
+    words = iter(argv)
+    for word in words:
+        if word in ("--config", "--sim"):
+            next(words, None)
+        elif word in ("-h", "--help", "--"):
+            return False
+        elif not word.startswith("-"):
+            return word in queue.COMMANDS
+    return False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `gpu-mon`; returns the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(only_queue=_queue_command(argv))
     args = parser.parse_args(argv)
     logs.setup(debug=args.debug)
     try:
+        if args.command in queue.COMMANDS:
+            return queue.cmd_queue(args)
+        from gpu_mon.commands import occupy, report, sentinel, stress, watch
+        from gpu_mon.commands.check import cmd_check
+        from gpu_mon.commands.run import cmd_run
+        from gpu_mon.commands.status import cmd_status
+
         if args.command == "stress":
             return stress.run(args)
         if args.command == "sentinel":
@@ -180,8 +205,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return watch.cmd_watch(args)
         if args.command == "check":
             return cmd_check(args, _stderr)
-        if args.command in queue.COMMANDS:
-            return queue.cmd_queue(args)
         return {"run": cmd_run, "status": cmd_status}[args.command](args)
     except ConfigError as err:
         for line in err.errors:

@@ -614,3 +614,20 @@ def test_only_the_allowed_groups_may_submit(lab, daemon_factory):
     )
     assert lab.submit(lab.alice, *lab.job_cmd("exit", "0")) == 1  # a member of the group
     assert lab.run(lab.bob, "jobs").returncode == 0  # listing is for everyone
+
+
+def test_the_jobs_table_lists_the_first_100_waiting_and_counts_the_rest_json_lists_all(lab, daemon_factory):
+    from gpu_mon.queue.protocol import request
+
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    for i in range(103):  # (root, straight to the socket: quicker than 103 commands)
+        req = {"op": "submit", "command": ["true", str(i)], "cwd": "/", "env": {}, "hold": True}
+        assert request(str(lab.socket), req)["state"] == "held"
+    table = lab.run(lab.bob, "jobs").stdout.splitlines()
+    assert len(table) == 1 + 100 + 1 and table[100].split()[:3] == ["100", "root", "held"]
+    assert table[-1] == "... and 3 more queued or held (gpu-mon jobs --all or --json lists every one)"
+    assert len(lab.run(lab.bob, "jobs", "--all").stdout.splitlines()) == 1 + 103
+    listed = json.loads(lab.run(lab.bob, "jobs", "--json").stdout)["jobs"]
+    assert [j["id"] for j in listed] == list(range(1, 104)) and "gpu_indices" not in listed[0]
+    assert listed[5]["command"] == ["true", "5"] and listed[5]["reason"] == "held"

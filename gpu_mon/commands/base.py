@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
-from gpu_mon.api.observe import Backend
-from gpu_mon.api.sim import SimBackend, SimError
 from gpu_mon.config import DEFAULT_PATH, Config, ConfigError, trusted_uid_for_this_process
 from gpu_mon.config import load as load_config_file
+
+if TYPE_CHECKING:  # (imported when used: the queue's commands read no GPU and start faster without)
+    from gpu_mon.api.observe import Backend
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 # Where an admin finds a config to start from (the Debian package installs it; a checkout has conf/).
@@ -55,6 +56,8 @@ def sim_path(args: argparse.Namespace) -> Optional[str]:
 def backend(args: argparse.Namespace, writes: bool = False) -> Tuple[Backend, str]:
     """The GPU backend the arguments ask for, and how to name it. Only a daemon (`writes`) creates the
     simulator's missing device files."""
+    from gpu_mon.api.sim import SimBackend, SimError
+
     sim = sim_path(args)
     if sim:
         found = SimBackend(sim, create_devices=writes)

@@ -19,15 +19,14 @@ from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
 from gpu_mon.commands.base import CliError
 from gpu_mon.config import DEFAULT_PATH, QueueSection
-from gpu_mon.engine import words
 from gpu_mon.queue import jobs as J
-from gpu_mon.queue.protocol import NoDaemon, ProtocolError, request
-from gpu_mon.queue.requests import DEFAULT_OUTPUT
+from gpu_mon.queue.protocol import DEFAULT_OUTPUT, NoDaemon, ProtocolError, request
 
 EXIT_TIMEOUT = 124
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _POLL_SECONDS = 0.5
+TABLE_WAITING = 100  # queued or held jobs the table lists without --all (--json lists every one)
 
 
 def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., None]) -> None:
@@ -57,7 +56,11 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="what to run")
     p = sub.add_parser("jobs", help="the queue's jobs and why each waits", description="List the queue.")
     add_common(p, top=False, sim=False)
-    p.add_argument("--all", action="store_true", help="finished jobs too")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help=f"finished jobs too, and every waiting one (the table lists the first {TABLE_WAITING})",
+    )
     p.add_argument("--user", help="only this user's jobs")
     p.add_argument("--state", choices=J.STATES, help="only jobs in this state")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -191,11 +194,12 @@ def _duration(text: str) -> float:
 
 def _jobs(args: argparse.Namespace, socket: str) -> int:
     req = {"op": "jobs", "all": args.all, "user": args.user, "state": args.state}
-    jobs = _ask(socket, req)["jobs"]
+    if not args.json and not args.all:
+        req["limit"] = TABLE_WAITING
+    answer = _ask(socket, req)
+    jobs = answer["jobs"]
     if args.json:
-        for j in jobs:
-            j.pop("gpu_indices", None)
-        print(json.dumps({"jobs": jobs}, indent=2))
+        _print_json(jobs)
         return base.EXIT_OK
     if not jobs:
         print("no jobs")
@@ -203,12 +207,26 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     rows = [("ID", "USER", "STATE", "GPUS", "TIME", "RESTARTS", "NAME / COMMAND", "WHY")]
     rows += [_row(j) for j in jobs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    more = int(answer.get("more") or 0)
+    if more:
+        lines.append(f"... and {more} more queued or held (gpu-mon jobs --all or --json lists every one)")
+    sys.stdout.write("\n".join(lines) + "\n")
     return base.EXIT_OK
 
 
+def _print_json(jobs: List[dict]) -> None:
+    """`{"jobs": [...]}`, a job a line (json's own indenting is slow for a long queue)."""
+    encoder = json.JSONEncoder()
+    for j in jobs:
+        j.pop("gpu_indices", None)
+    body = ",\n  ".join(map(encoder.encode, jobs))
+    sys.stdout.write('{"jobs": [\n  ' + body + "\n]}\n" if jobs else '{"jobs": []}\n')
+
+
 def _row(j: dict) -> tuple:
+    from gpu_mon.engine import words  # (only for the table: `--json` and the other commands do without)
+
     gpus = ",".join(str(i) if i is not None else "?" for i in j.get("gpu_indices") or []) or "-"
     ran = "-"
     if j["state"] in J.LIVE and j.get("started"):

@@ -10,11 +10,14 @@ import json
 import socket
 import struct
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 MAX_FRAME = 1 << 20  # a request: a submit's 64 KiB command and 256 KiB environment fit, escaped, with room
 MAX_ANSWER = 1 << 28  # an answer (`jobs` with every job of a long queue)
 _HEADER = struct.Struct(">I")
+DEFAULT_OUTPUT = ".local/state/gpu-mon/jobs"  # a job's output without --output: under the user's home, ID.log
+_RECV = 1 << 18
 
 
 class ProtocolError(Exception):
@@ -25,9 +28,16 @@ class NoDaemon(Exception):
     """Nothing answers on the socket; str() is one line."""
 
 
-def encode(obj: dict, limit: int = MAX_FRAME) -> bytes:
+@dataclass(frozen=True)
+class Encoded:
+    """A JSON object already encoded (a long answer put together from parts), sent as it is."""
+
+    body: bytes
+
+
+def encode(obj: Union[dict, Encoded], limit: int = MAX_FRAME) -> bytes:
     """One frame."""
-    body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    body = obj.body if isinstance(obj, Encoded) else json.dumps(obj, separators=(",", ":")).encode("utf-8")
     if len(body) > limit:
         raise ProtocolError(f"message too large ({len(body)} bytes; at most {limit})")
     return _HEADER.pack(len(body)) + body
@@ -78,7 +88,7 @@ def request(path: str, obj: dict, timeout: float = 30.0) -> dict:
         reader = FrameReader(MAX_ANSWER)
         while True:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
-            data = sock.recv(65536)
+            data = sock.recv(_RECV)
             if not data:
                 raise NoDaemon(f"the daemon on {path} closed the connection without an answer")
             answer = reader.feed(data)

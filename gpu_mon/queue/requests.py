@@ -9,25 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import json
 import os
 import pwd
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.placement import Waiting
+from gpu_mon.queue.protocol import DEFAULT_OUTPUT, Encoded
 from gpu_mon.queue.store import Refused, Store
 from gpu_mon.queue.words import waiting as waiting_words
 
 MAX_COMMAND = 64 * 1024
 MAX_ENV = 256 * 1024
 MAX_NAME = 64
-DEFAULT_OUTPUT = ".local/state/gpu-mon/jobs"  # under the user's home: ID.log
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,11 @@ class Requests:
         self, store: Store, queue: QueueSection, view: Callable[[], View], changed: Callable[[], None]
     ):
         self.store, self.queue, self.view, self.changed = store, queue, view, changed
+        # Each job as `jobs` last sent it, encoded: (the job, its reason, its GPU indices, the JSON). A job
+        # is a new object whenever it changes, so a long queue's listing re-encodes only what moved.
+        self._sent: Dict[int, Tuple[Job, str, tuple, bytes]] = {}
 
-    def answer(self, peer: Peer, req: dict) -> dict:
+    def answer(self, peer: Peer, req: dict) -> Union[dict, Encoded]:
         """The answer to one request (never raises for bad input)."""
         op = req.get("op")
         handler = {
@@ -84,7 +88,8 @@ class Requests:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
         try:
             user = _user(peer.uid)
-            return {"ok": True, **handler(peer, user, req)}
+            out = handler(peer, user, req)
+            return out if isinstance(out, Encoded) else {"ok": True, **out}
         except Bad as err:
             return {"ok": False, "error": str(err), "code": err.code}
 
@@ -179,22 +184,48 @@ class Requests:
 
     # ------------------------------------------------------------------ jobs
 
-    def _jobs(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
-        view = self.view()
-        now = time.time()
+    def _jobs(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
+        """`{"ok": true, "jobs": [...], "more": N}`: with `limit`, at most that many queued or held jobs
+        are listed (every running one is) and `more` counts the rest."""
+        view, now = self.view(), time.time()
         want_user, want_state = req.get("user"), req.get("state")
-        ids = set(req.get("ids") or [])
+        ids, limit = req.get("ids") or [], req.get("limit")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise Bad("ids must be job ids")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise Bad("limit must be a whole number")
         every = bool(req.get("all")) or bool(ids) or want_state in J.ENDED
-        out = []
-        for j in self.store.all():
-            if ids and j.id not in ids:
-                continue
+        if ids:
+            found = (self.store.get(i) for i in dict.fromkeys(ids))
+            candidates: List[Job] = [j for j in found if j is not None]
+        else:
+            candidates = self.store.all()
+        parts: List[bytes] = []
+        waiting = more = 0
+        for j in candidates:
             if (want_user and j.user != want_user) or (want_state and j.state != want_state):
                 continue
             if not every and j.state in J.ENDED:
                 continue
-            out.append(describe(j, view, now))
-        return {"jobs": out}
+            if limit is not None and j.state in (J.QUEUED, J.HELD):
+                waiting += 1
+                if waiting > limit:
+                    more += 1
+                    continue
+            parts.append(self._encoded(j, view, now))
+        if len(self._sent) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
+            self._sent = {i: v for i, v in self._sent.items() if i in self.store.jobs}
+        return Encoded(b'{"ok":true,"jobs":[%s],"more":%d}' % (b",".join(parts), more))
+
+    def _encoded(self, j: Job, view: View, now: float) -> bytes:
+        reason = reason_of(j, view, now)
+        indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
+        sent = self._sent.get(j.id)
+        if sent is not None and sent[0] is j and sent[1] == reason and sent[2] == indices:
+            return sent[3]
+        data = json.dumps(_described(j, reason, indices), separators=(",", ":")).encode("utf-8")
+        self._sent[j.id] = (j, reason, indices, data)
+        return data
 
     # ------------------------------------------------------------------ cancel, hold, release, logs
 
@@ -276,21 +307,31 @@ def output_of(job: Job) -> str:
 
 def describe(j: Job, view: View, now: float) -> dict:
     """A job as `jobs --json` shows it."""
-    reason = j.reason
+    indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
+    return _described(j, reason_of(j, view, now), indices)
+
+
+def reason_of(j: Job, view: View, now: float) -> str:
+    """Why a queued job waits (the last placement's words), or why the job ended as it did."""
     if j.state == J.QUEUED and j.id in view.waiting:
-        reason = waiting_words(view.waiting[j.id], j.user, view.index_of, now)
-    elif j.state == J.QUEUED and j.id > view.placed_up_to:
-        reason = "waiting: just submitted"  # (the next placement, within 0.2 s, says more)
-    elif j.state == J.HELD:
-        reason = "held"
+        return waiting_words(view.waiting[j.id], j.user, view.index_of, now)
+    if j.state == J.QUEUED and j.id > view.placed_up_to:
+        return "waiting: just submitted"  # (the next placement, within 0.2 s, says more)
+    if j.state == J.HELD:
+        return "held"
+    return j.reason
+
+
+def _described(j: Job, reason: str, indices: tuple) -> dict:
+    live = j.state in J.LIVE
     return {
         "id": j.id,
         "user": j.user,
         "name": j.name,
         "state": j.state,
         "reason": reason,
-        "gpus": list(j.gpus) if j.state in J.LIVE else [],
-        "gpu_indices": [view.index_of.get(u) for u in j.gpus] if j.state in J.LIVE else [],
+        "gpus": list(j.gpus) if live else [],
+        "gpu_indices": list(indices),
         "gpus_wanted": j.gpus_wanted,
         "priority": j.priority,
         "submitted": _iso(j.submitted),

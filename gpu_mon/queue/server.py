@@ -21,9 +21,9 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
-from gpu_mon.queue.protocol import MAX_ANSWER, FrameReader, ProtocolError, encode
+from gpu_mon.queue.protocol import MAX_ANSWER, Encoded, FrameReader, ProtocolError, encode
 from gpu_mon.queue.requests import Peer, Requests
 
 log = logging.getLogger("gpu_mon")
@@ -190,7 +190,7 @@ class Server:
         if req is not None:
             self._answer(conn, self.requests.answer(conn.peer, req))
 
-    def _answer(self, conn: _Conn, answer: dict) -> None:
+    def _answer(self, conn: _Conn, answer: Union[dict, Encoded]) -> None:
         try:
             conn.out = encode(answer, MAX_ANSWER)
         except Exception as err:  # (an answer too large to send)
