@@ -219,6 +219,26 @@ class QueueSection:
     line: int = 0
 
 
+SLURM_ACTIONS = ("requeue", "cancel")
+
+
+@dataclass(frozen=True)
+class SlurmSection:
+    """The [slurm] section: jobs of these partitions or QOS yield to anyone else's use of their GPUs, by
+    asking Slurm (`scontrol requeue`, or `scancel`), never by a signal from gpu-mon. Off unless written."""
+
+    preemptible_partitions: Tuple[str, ...] = ()
+    preemptible_qos: Tuple[str, ...] = ()
+    action: str = "requeue"
+    signal: Optional[int] = None  # sent first through `scancel --signal --full`, then the action
+    signal_grace_seconds: float = 30.0
+    avoid_node_seconds: float = 600.0
+    scontrol: str = "scontrol"
+    scancel: str = "scancel"
+    timeout_seconds: float = 5.0
+    line: int = 0
+
+
 @dataclass(frozen=True)
 class SentinelSection:
     """The [sentinel] section (seed 001 in the daemon), also what `gpu-mon sentinel`'s options make: arm
@@ -253,6 +273,7 @@ class Config:
     metrics: Optional[MetricsSection] = None  # off unless the section is written
     occupy: Optional[OccupySection] = None  # no limits unless the section is written
     queue: Optional[QueueSection] = None  # off unless the section is written
+    slurm: Optional[SlurmSection] = None  # off unless the section is written
     warnings: Tuple[str, ...] = ()
 
 
@@ -950,12 +971,51 @@ def _queue_section(sec: _Section, base: str, warn: List[str]) -> QueueSection:
     return queue
 
 
-_KINDS = ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue", "gpu-NAME", "process-NAME")
+def _program(value: str) -> str:
+    """A program: a bare name (found in PATH when run) or a path."""
+    if not value.strip() or "\0" in value:
+        raise ValueError("is empty" if not value.strip() else "contains a NUL byte")
+    return value.strip()
+
+
+def _slurm_section(sec: _Section) -> SlurmSection:
+    schema: Dict[str, Callable[[str], object]] = {
+        "preemptible_partitions": _names,
+        "preemptible_qos": _names,
+        "action": _choice(*SLURM_ACTIONS),
+        "signal": _optional(stop_signal),
+        "signal_grace_seconds": _seconds,
+        "avoid_node_seconds": _seconds,
+        "scontrol": _program,
+        "scancel": _program,
+        "timeout_seconds": _positive_seconds,
+    }
+    values = sec.parse(schema)
+    slurm = SlurmSection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
+    if not slurm.preemptible_partitions and not slurm.preemptible_qos:
+        sec.error(
+            sec.raw.line, None, "name preemptible_partitions or preemptible_qos (whose jobs yield to others)"
+        )
+    return slurm
+
+
+_KINDS = (
+    "defaults",
+    "tty",
+    "sentinel",
+    "history",
+    "metrics",
+    "occupy",
+    "queue",
+    "slurm",
+    "gpu-NAME",
+    "process-NAME",
+)
 
 
 def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
     name = raw.name
-    if name in ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue"):
+    if name in ("defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue", "slurm"):
         return name
     for prefix in ("gpu-", "process-"):
         if name.startswith(prefix):
@@ -969,7 +1029,7 @@ def _check_section_name(raw: _RawSection, sec: _Section) -> Optional[str]:
                 )
                 return None
             return prefix
-    known = ["defaults", "tty", "sentinel", "history", "metrics", "occupy", "queue", "gpu-", "process-"]
+    known = [*(k for k in _KINDS if not k.endswith("-NAME")), "gpu-", "process-"]
     near = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.5)
     hint = f" (did you mean [{near[0]}{'NAME' if near[0].endswith('-') else ''}]?)" if near else ""
     sec.error(raw.line, None, f"unknown section{hint}; known: {', '.join('[' + k + ']' for k in _KINDS)}")
@@ -994,6 +1054,7 @@ def parse(text: str, path: str = "<config>") -> Config:
     metrics: Optional[MetricsSection] = None
     occupy: Optional[OccupySection] = None
     queue: Optional[QueueSection] = None
+    slurm: Optional[SlurmSection] = None
     gpu_sections: List[GpuSection] = []
     processes: List[ProcessSection] = []
     bad_lines: Dict[int, str] = {}
@@ -1014,6 +1075,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             occupy = _occupy_section(sec, warnings)
         elif kind == "queue":
             queue = _queue_section(sec, base, warnings)
+        elif kind == "slurm":
+            slurm = _slurm_section(sec)
         elif kind == "gpu-":
             g = _gpu_section(sec, warnings)
             if g:
@@ -1036,6 +1099,7 @@ def parse(text: str, path: str = "<config>") -> Config:
         metrics=metrics,
         occupy=occupy,
         queue=queue,
+        slurm=slurm,
         warnings=tuple(_shorten(w, path) for w in warnings),
     )
     if errors:

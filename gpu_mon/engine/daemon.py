@@ -31,6 +31,7 @@ from gpu_mon.engine.openers import Openers
 from gpu_mon.engine.opens import OpenWatch
 from gpu_mon.engine.queue import Queue, queue_gpus
 from gpu_mon.engine.reload import Reloader
+from gpu_mon.engine.slurm import Slurm
 from gpu_mon.engine.workloads import cgroups, linux, stopping
 from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
 
@@ -91,6 +92,7 @@ class Daemon:
         self.last_event_full = -1e9
         self.deferred_full: Optional[float] = None
         self.queue: Optional[Queue] = None  # [queue]: users' jobs (engine/queue.py)
+        self.slurm: Optional[Slurm] = None  # [slurm]: preemptible Slurm jobs (engine/slurm.py)
         self.started_wall = wall()
         stat = read_stat(os.getpid())
         self.start_ticks = stat.start_ticks if stat else 0
@@ -107,6 +109,7 @@ class Daemon:
         tree, self.containment = cgroups.choose(self.config.defaults.containment, os.getpid())
         self.supervisor.contain_in(tree)
         self._start_queue()
+        self._set_slurm()
         self._start_watching()
         self._say_hello()
         self._set_sentinel()
@@ -119,6 +122,8 @@ class Daemon:
             deadlines = (self.next_poll, self.deferred_full, self.supervisor.next_deadline(self.clock()))
             if self.queue is not None:
                 deadlines += (self.queue.next_wake,)
+            if self.slurm is not None:
+                deadlines += (self.slurm.next_wake(),)
             wake = self.decision.next_wake if self.decision else None
             ready = self.loop.wait((*deadlines, wake), self.clock())
             now = self.clock()
@@ -178,6 +183,18 @@ class Daemon:
         except Exception as err:  # a database or socket we cannot make: one line, and no queue
             log.error("queue: cannot start the queue: %s", err)
             self.queue = None
+
+    def _set_slurm(self) -> None:
+        """[slurm] as the config has it now: the hook made, changed or closed."""
+        rule = self.config.slurm
+        if rule is None and self.slurm is not None:
+            self.slurm.close()
+            self.slurm = None
+        elif rule is not None and self.slurm is None:
+            self.slurm = Slurm(rule, self.loop.poke, self.clock, self.wall, self.supervisor.spawn_helper)
+            log.info("slurm: jobs of %s yield to anyone else's use of their GPUs", self.slurm.whose())
+        elif rule is not None and self.slurm is not None:
+            self.slurm.set_rule(rule)
 
     def _start_watching(self) -> None:
         d = self.config.defaults
@@ -256,7 +273,11 @@ class Daemon:
     def _wake_due(self, now: float) -> bool:
         """A start delay or a restart backoff the last decision waits for has run out."""
         wake = self.decision.next_wake if self.decision else None
-        return (wake is not None and now >= wake) or (self.queue is not None and self.queue.wanted(now))
+        return (
+            (wake is not None and now >= wake)
+            or (self.queue is not None and self.queue.wanted(now))
+            or (self.slurm is not None and self.slurm.wanted(now))
+        )
 
     def _poll(self, now: float, full: bool) -> None:
         d = self.config.defaults
@@ -337,6 +358,8 @@ class Daemon:
         decision = policy.decide(self.config, plan, snap, self.state)
         if any(isinstance(a, Stop) and a.gpus for a in decision.actions):
             decision, snap = self._look_again(plan, snap, decision, now)
+        if self.slurm is not None:  # (before our own stops: asking Slurm only hands a call to a thread)
+            self.slurm.round(snap, plan.rules, plan.index_of, self.wake_at, self.wake_by_open)
         self.state = decision.state
         self._log_transitions(plan, decision)
         for event in decision.events:
@@ -523,6 +546,7 @@ class Daemon:
             idle_started=idle[1],
             idle_ended=idle[2],
             scans=self.observer.take_scan_times(),
+            slurm=self.slurm.report() if self.slurm is not None else None,
         )
         self.loop.publish(self.report)
 
@@ -597,6 +621,7 @@ class Daemon:
                     self._say(f"config changed for [process-{w.instance.process}]; restarting {w.label}")
                 else:
                     self._say(f"[process-{w.instance.process}] removed from the config; stopping {w.label}")
+        self._set_slurm()
         self._say(f"reloaded {new.path}; {sections}")
         self.next_poll = now  # look again with the new rules at once (next wake, with a fresh NVML read)
         self._round(now, scan=None)  # and publish what the reload stopped
@@ -615,6 +640,8 @@ class Daemon:
         self.reloader.close()
         if self.queue is not None:
             self.queue.close()
+        if self.slurm is not None:
+            self.slurm.close()
         log.info("gpu-mon stopped")
         self.loop.announce("stopped")
         self.opens.stop(self.loop.remove_reader)
