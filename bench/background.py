@@ -97,5 +97,9 @@ def start_daemon(work: Path, conf: str, pythonpath: str) -> Tuple[subprocess.Pop
     env.pop("NOTIFY_SOCKET", None)
     log = open(work / "daemon.log", "wb")  # noqa: SIM115 - the daemon writes it until the caller closes it
     argv = [sys.executable, "-m", "gpu_mon", "--config", str(path), "--sim", str(work / "sim.json"), "run"]
-    daemon = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    # Run from `work`: `python -m` puts the current directory first on sys.path, and from a checkout that
+    # would be the checkout's gpu_mon, not the one `pythonpath` names (a baseline).
+    daemon = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work), start_new_session=True
+    )
     return daemon, log

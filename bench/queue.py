@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""Benchmark: the queue with 10 000 jobs queued, measured side by side with an older version.
+
+    sudo python bench/queue.py [--jobs 10000] [--baseline REF] [--trials 5] [--hostile 1000]
+
+For this checkout and for --baseline (a git ref of this checkout, extracted and run the same way; '' for
+none), a real `gpu-mon run` (root) with a [queue] on two simulated GPUs that someone else holds. We submit
+--jobs jobs through the socket as `gpu-mon submit` does (one connection, one request, the answer: the job
+is committed to SQLite with synchronous=FULL first), each `--after` a held job, so that all stay queued
+and the placement goes over every one of them each time. Measured:
+
+- submit -> id, p50 and p99: over the first 200 submits (about 0 queued) and the last 1000 (--jobs queued);
+- `gpu-mon jobs` and `gpu-mon jobs --json`, the whole command as a user types it (Python's start, the
+  request, the printing), median of 5 after one warm-up run;
+- a job's start after its GPU frees: from the foreign holder's close() of GPU 0's node to the job's first
+  action (it opens a FIFO we wait on), less the start delay; also in rounds (interval_seconds);
+- submit p99 with --hostile connections of another user (nobody) held open at once, a silent client and
+  oversized frames, against the p99 just before without them.
+
+Prints a table (the machine and date above it); --json for the numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "queue":
+    # Found as `queue` because bench/ is on some process's sys.path: be the standard library's queue.
+    import importlib
+    import os
+
+    _here = os.path.dirname(os.path.realpath(__file__))
+    _saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _here]
+    del sys.modules["queue"]
+    try:
+        sys.modules["queue"] = importlib.import_module("queue")
+    finally:
+        sys.path[:] = _saved
+else:
+    # Run as a script, bench/ is first on sys.path: any later `import queue` of the standard library
+    # (logging.handlers, concurrent.futures...) would find this file. The sibling modules load by path.
+    import os
+
+    _here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _here]
+
+import argparse
+import importlib.util
+import json
+import pwd
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PROG = "bench/queue.py"
+DEFAULT_BASELINE = "b8a2af9"  # the queue before the work on `jobs` with 10 000 jobs queued
+INTERVAL = 2.0  # [defaults] interval_seconds, as shipped
+HEADER = struct.Struct(">I")
+
+HOLDER = r"""
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print("open", flush=True)
+for line in sys.stdin:
+    if line.strip() == "close":
+        t = time.monotonic_ns()
+        os.close(fd)
+        print(t, flush=True)
+    else:
+        fd = os.open(sys.argv[1], os.O_RDONLY)
+        print("open", flush=True)
+"""
+
+# Another user's hostile clients: COUNT connections that say nothing (reopened when the daemon closes
+# them), and a frame far over the limit every 0.1 s.
+HOSTILE = r"""
+import os, resource, select, socket, struct, sys, time
+path, count = sys.argv[1], int(sys.argv[2])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 64), hard))
+def connect():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    return s
+conns = [connect() for _ in range(count)]
+print("ready", flush=True)
+while True:
+    ready, _, _ = select.select(conns[:1000], [], [], 0.1)
+    for s in ready:
+        conns.remove(s)
+        s.close()
+        conns.append(connect())
+    big = connect()
+    big.sendall(struct.pack(">I", 1 << 30) + b"x" * 65536)
+    big.close()
+"""
+
+
+def _sibling(name: str):
+    """bench/NAME.py, loaded by its path (bench/ is not on sys.path)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_mon_bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bg = _sibling("background")
+
+
+def ask(path: str, obj: dict, timeout: float = 60.0) -> dict:
+    """One request on the queue's socket, as the client does (no gpu_mon import: either version)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        body = json.dumps(obj).encode()
+        s.sendall(HEADER.pack(len(body)) + body)
+        buf = b""
+        while len(buf) < HEADER.size or len(buf) < HEADER.size + HEADER.unpack_from(buf)[0]:
+            data = s.recv(1 << 18)
+            if not data:
+                raise SystemExit(f"{PROG}: the daemon closed the connection without an answer")
+            buf += data
+        return json.loads(buf[HEADER.size :])
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{PROG}: timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def pct(values: List[float], p: float) -> float:
+    return bg.percentile(values, p) if values else float("nan")
+
+
+class Run:
+    """One daemon under test (this checkout or the baseline) with its two held GPUs."""
+
+    def __init__(self, work: Path, name: str, code: Path, start_delay: float):
+        self.dir = work / name
+        self.dir.mkdir()
+        self.code, self.delay = code, start_delay
+        (self.dir / "dev").mkdir()
+        gpus = []
+        for i in range(2):
+            (self.dir / "dev" / f"nvidia{i}").touch()
+            gpus.append({"uuid": f"GPU-bench-{i}", "device": f"dev/nvidia{i}"})
+        (self.dir / "sim.json").write_text(json.dumps({"gpus": gpus}))
+        self.socket = str(self.dir / "run" / "queue.sock")
+        self.conf = self.dir / "gpu_mon.conf"
+        conf = (
+            f"[defaults]\nstate_file = {self.dir / 'state.json'}\ninterval_seconds = {INTERVAL:g}\n"
+            f"[history]\nenabled = no\n[gpu-all]\ngpus = ALL\n"
+            f"[queue]\nsocket = {self.socket}\ndatabase = {self.dir / 'queue.sqlite'}\n"
+            f"max_queued_per_user = 1000000\nstart_delay_seconds = {start_delay:g}\n"
+        )
+        self.holders = [
+            subprocess.Popen(
+                [sys.executable, "-c", HOLDER, str(self.dir / "dev" / f"nvidia{i}")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        for h in self.holders:
+            assert h.stdout is not None and h.stdout.readline() == "open\n"
+        self.daemon, self.log = bg.start_daemon(self.dir, conf, str(code))
+        _wait(lambda: os.path.exists(self.socket), 60, f"{name}'s queue socket ({self.dir / 'daemon.log'})")
+
+    def submit(self, command: List[str], **extra: object) -> float:
+        req = {"op": "submit", "command": command, "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}, **extra}
+        t = time.perf_counter()
+        answer = ask(self.socket, req)
+        took = time.perf_counter() - t
+        if not answer.get("ok"):
+            raise SystemExit(f"{PROG}: submit refused: {answer.get('error')}")
+        return took
+
+    def job(self, job_id: int) -> dict:
+        (job,) = ask(self.socket, {"op": "jobs", "ids": [job_id]})["jobs"]
+        return job
+
+    def command(self, *args: str) -> float:
+        """Seconds the whole `gpu-mon ARGS` took (run from the version's own code)."""
+        env = dict(os.environ, PYTHONPATH=str(self.code))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # (as installed: compiled once, then read)
+        argv = [sys.executable, "-m", "gpu_mon", "--config", str(self.conf), *args]
+        t = time.perf_counter()
+        r = subprocess.run(argv, cwd=str(self.dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        took = time.perf_counter() - t
+        if r.returncode != 0:
+            raise SystemExit(f"{PROG}: gpu-mon {' '.join(args)} failed: {r.stderr[-300:]!r}")
+        return took
+
+    def start_after_free(self) -> float:
+        """One trial: seconds from GPU 0's holder's close() to the job's first action."""
+        fifo = self.dir / "started"
+        with_fifo = not fifo.exists()
+        if with_fifo:
+            os.mkfifo(fifo)
+        self.submit(["/bin/sh", "-c", f"echo started > {fifo}"], name="probe")
+        probe = int(ask(self.socket, {"op": "jobs"})["jobs"][-1]["id"])
+        _wait(lambda: "busy" in (self.job(probe)["reason"] or ""), 30, "the probe job waiting for a GPU")
+        opened: Dict[str, int] = {}
+
+        def reader() -> None:
+            with open(fifo, "rb") as f:  # (returns when the job opens it to write)
+                opened["t"] = time.monotonic_ns()
+                f.read()
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        holder = self.holders[0]
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.write("close\n")
+        holder.stdin.flush()
+        closed = int(holder.stdout.readline())
+        thread.join(self.delay + 10 * INTERVAL + 30)
+        if "t" not in opened:
+            raise SystemExit(f"{PROG}: the probe job did not start; see {self.dir / 'daemon.log'}")
+        _wait(lambda: self.job(probe)["state"] == "done", 30, "the probe job's end")
+        holder.stdin.write("open\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "open\n"
+        return (opened["t"] - closed) / 1e9
+
+    def close(self) -> None:
+        if self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            self.daemon.wait(60)
+        self.log.close()
+        for h in self.holders:
+            h.kill()
+            h.wait()
+
+
+def measure(run: Run, jobs: int, trials: int, hostile: int) -> Dict[str, object]:
+    """Every figure for one version."""
+    run.submit(["true", "blocker"], hold=True)  # job 1: every other job waits --after it
+    times = [run.submit(["true", str(i)], after=[1]) for i in range(jobs)]
+    first, last = times[: min(200, jobs)], times[-min(1000, jobs) :]
+    _wait(lambda: "just submitted" not in (run.job(jobs + 1)["reason"] or ""), 30, "the placement")
+    run.command("jobs")  # (warm-up: compiles the version's modules)
+    table = [run.command("jobs") for _ in range(5)]
+    as_json = [run.command("jobs", "--json") for _ in range(5)]
+    starts = [run.start_after_free() - run.delay for _ in range(trials)]
+    quiet = [run.submit(["true", "quiet"], after=[1]) for _ in range(200)]
+    loud = _with_hostile(run, hostile, lambda: [run.submit(["true", "loud"], after=[1]) for _ in range(200)])
+    return {
+        "submit_0": (statistics.median(first), pct(first, 99)),
+        "submit_n": (statistics.median(last), pct(last, 99)),
+        "jobs_table": (statistics.median(table), max(table)),
+        "jobs_json": (statistics.median(as_json), max(as_json)),
+        "start": (statistics.median(starts), max(starts)),
+        "hostile": (pct(quiet, 99), pct(loud, 99)),
+    }
+
+
+def _with_hostile(run: Run, count: int, work):
+    if count <= 0:
+        return work()
+    try:
+        nobody = pwd.getpwnam("nobody")
+        ids = {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+    except KeyError:
+        ids = {}
+    proc = subprocess.Popen(
+        ["/usr/bin/python3", "-I", "-c", HOSTILE, run.socket, str(count)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        **ids,
+    )
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline() != "ready\n":
+            raise SystemExit(f"{PROG}: the hostile clients did not connect")
+        return work()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _ms(pair, fmt: str = "{:.1f} / {:.1f} ms") -> str:
+    return fmt.format(pair[0] * 1000, pair[1] * 1000)
+
+
+def rows(results: Dict[str, Dict[str, object]], jobs: int, hostile: int) -> List[List[str]]:
+    names = list(results)
+    out = [
+        ["submit -> id p50 / p99, 0-200 queued", *(_ms(results[n]["submit_0"]) for n in names)],
+        [f"submit -> id p50 / p99, {jobs} queued", *(_ms(results[n]["submit_n"]) for n in names)],
+        [
+            f"gpu-mon jobs (table), {jobs} queued: median / max",
+            *(_ms(results[n]["jobs_table"], "{:.0f} / {:.0f} ms") for n in names),
+        ],
+        [
+            f"gpu-mon jobs --json, {jobs} queued: median / max",
+            *(_ms(results[n]["jobs_json"], "{:.0f} / {:.0f} ms") for n in names),
+        ],
+    ]
+    start = []
+    for n in names:
+        med, worst = results[n]["start"]  # type: ignore[misc]
+        start.append(
+            f"{med * 1000:.0f} / {worst * 1000:.0f} ms ({med / INTERVAL:.2f} / {worst / INTERVAL:.2f} rounds)"
+        )
+    out.append(["job start after its GPU frees, less the start delay: median / max", *start])
+    out.append(
+        [
+            f"submit p99 without / with {hostile} hostile connections",
+            *(_ms(results[n]["hostile"]) for n in names),
+        ]
+    )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=10000, help="jobs queued (default 10000)")
+    ap.add_argument(
+        "--baseline", default=DEFAULT_BASELINE, help="git ref to measure side by side ('' for none)"
+    )
+    ap.add_argument("--trials", type=int, default=5, help="GPU-frees-to-start trials (default 5)")
+    ap.add_argument("--hostile", type=int, default=1000, help="hostile connections (default 1000; 0: none)")
+    ap.add_argument("--start-delay", type=float, default=1.0, help="[queue] start_delay_seconds (default 1)")
+    ap.add_argument("--json", action="store_true", help="the numbers as JSON")
+    a = ap.parse_args()
+    if a.jobs < 1 or a.trials < 1 or a.hostile < 0 or a.start_delay < 0:
+        ap.error("--jobs and --trials must be at least 1, --hostile and --start-delay at least 0")
+    problems = [] if os.geteuid() == 0 else ["needs root (the daemon runs jobs as their users: sudo)"]
+    problem = _sibling("preempt").baseline_problem(a.baseline)
+    if problem:
+        problems.append(problem)
+    if problems:
+        print(f"{PROG}: cannot start: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))  # (the daemons' too)
+    work = Path(tempfile.mkdtemp(prefix="gpu-mon-bench-queue-"))
+    os.chmod(work, 0o755)
+    versions = [("this checkout", ROOT)]
+    if a.baseline:
+        old = work / "baseline-code"
+        old.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", a.baseline], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        versions.append((f"baseline {a.baseline}", old))
+    results: Dict[str, Dict[str, object]] = {}
+    try:
+        for i, (label, code) in enumerate(versions):
+            print(f"{label}: submitting {a.jobs} jobs...", file=sys.stderr, flush=True)
+            run = Run(work, f"v{i}", code, a.start_delay)
+            try:
+                results[label] = measure(run, a.jobs, a.trials, a.hostile)
+            finally:
+                run.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        print(json.dumps(results))
+        return 0
+    print(
+        f"{time.strftime('%Y-%m-%d')}; {os.cpu_count()} CPUs; kernel {os.uname().release}; "
+        f"interval_seconds {INTERVAL:g}, start delay {a.start_delay:g} s; {a.trials} start trial(s)"
+    )
+    print(bg.table(["", *results], rows(results, a.jobs, a.hostile)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""bench/queue.py runs (a tiny queue, no baseline) and prints its table; with bench/ on a process's
+sys.path, `import queue` is still the standard library's.
+
+Only that it runs and what it prints: its timings belong to the benchmark itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "queue.py"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the benchmark's daemon runs jobs: needs root")
+def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
+    quick = ["--jobs", "20", "--baseline", "", "--trials", "1", "--hostile", "20", "--start-delay", "0.1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, str(BENCH), *quick],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert "CPUs; kernel" in lines[0] and lines[1].split() == ["this", "checkout"]
+    labels = [
+        "submit -> id p50 / p99, 0-200 queued",
+        "submit -> id p50 / p99, 20 queued",
+        "gpu-mon jobs (table), 20 queued: median / max",
+        "gpu-mon jobs --json, 20 queued: median / max",
+        "job start after its GPU frees, less the start delay: median / max",
+        "submit p99 without / with 20 hostile connections",
+    ]
+    assert [line[: len(label)] for line, label in zip(lines[3:], labels)] == labels
+    assert all(line.rstrip().endswith(("ms", "rounds)")) for line in lines[3:]) and len(lines) == 9
+
+
+def test_bench_on_sys_path_does_not_hide_the_standard_librarys_queue(tmp_path):
+    code = "import queue, concurrent.futures; print(queue.Queue.__module__, queue.__file__)"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "bench"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    name, path = r.stdout.split()
+    assert name == "queue" and Path(path).parent != ROOT / "bench"
