@@ -232,18 +232,21 @@ def test_report_by_day_process_user(tmp_path):
         assert r.returncode == 0 and r.stdout.splitlines()[2].startswith(head), r.stdout
 
 
-def test_migration_from_version_1(tmp_path, monkeypatch):
+def test_migration_to_the_next_version(tmp_path, monkeypatch):
     db = str(tmp_path / "h.sqlite")
     conn = historydb.connect_rw(db)
     conn.execute("INSERT INTO runs (process, label, gpus, start, end) VALUES ('w', 'w', 'GPU-a', 1, 2)")
     conn.close()
-    monkeypatch.setattr(historydb, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(historydb.MIGRATIONS, 2, "ALTER TABLE runs ADD COLUMN note TEXT NOT NULL DEFAULT '';")
+    now = historydb.SCHEMA_VERSION
+    monkeypatch.setattr(historydb, "SCHEMA_VERSION", now + 1)
+    monkeypatch.setitem(
+        historydb.MIGRATIONS, now + 1, "ALTER TABLE runs ADD COLUMN note TEXT NOT NULL DEFAULT '';"
+    )
     conn = historydb.connect_rw(db)
-    assert historydb.version(conn) == 2
+    assert historydb.version(conn) == now + 1
     assert list(conn.execute("SELECT process, note FROM runs")) == [("w", "")]
     conn.close()
-    monkeypatch.setattr(historydb, "SCHEMA_VERSION", 1)  # an older gpu-mon meets the newer file
+    monkeypatch.setattr(historydb, "SCHEMA_VERSION", now)  # an older gpu-mon meets the newer file
     with pytest.raises(historydb.NotOurs, match="newer gpu-mon"):
         historydb.connect_rw(db)
 

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x67706D6E  # "gpmn": marks the file as gpu-mon's history
 _SCHEMA_V1 = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -41,7 +41,17 @@ CREATE TABLE samples (
 CREATE INDEX samples_by_time ON samples (time);
 """
 # version -> the statements that bring a database from version-1 to it (v1 is created whole).
-MIGRATIONS: Dict[int, str] = {}
+MIGRATIONS: Dict[int, str] = {
+    # 2: each run of a queued job ([queue]): its job, user, GPUs, start, end, how it ended, the wait before it
+    2: """
+CREATE TABLE job_runs (
+    id INTEGER PRIMARY KEY, job INTEGER NOT NULL, user TEXT NOT NULL, name TEXT NOT NULL DEFAULT '',
+    gpus TEXT NOT NULL, submitted REAL NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
+    how TEXT NOT NULL DEFAULT 'running', wait REAL NOT NULL DEFAULT 0, restart INTEGER NOT NULL DEFAULT 0);
+CREATE UNIQUE INDEX job_runs_by_run ON job_runs (job, submitted, start);
+CREATE INDEX job_runs_by_end ON job_runs (end);
+""",
+}
 Error = sqlite3.Error
 
 
@@ -172,6 +182,7 @@ def retain(conn: sqlite3.Connection, cutoff: float) -> int:
         ("idle_holders", "end"),
         ("preemptions", "time"),
         ("samples", "time"),
+        ("job_runs", "end"),
     ):
         gone += conn.execute(f"DELETE FROM {table} WHERE {column} < ?", (cutoff,)).rowcount
     return gone
@@ -230,6 +241,39 @@ def idle_episodes(conn: sqlite3.Connection, since: float, until: float) -> List[
         "SELECT user, program, uuid, start, end FROM idle_holders WHERE end > ? AND start < ?", (since, until)
     )
     return [Span(*row) for row in rows]
+
+
+@dataclass(frozen=True)
+class JobRunRow:
+    """One run of a queued job as the history has it (`how` is `running` while it runs)."""
+
+    job: int
+    user: str
+    name: str
+    gpus: int  # how many
+    submitted: float
+    start: float
+    end: float
+    how: str
+    wait: float
+    restart: int
+
+
+def job_runs(conn: sqlite3.Connection, since: float, until: float) -> List[JobRunRow]:
+    """Runs of queued jobs overlapping the period, or starting in it, by start (none in a history
+    written before jobs were recorded)."""
+    has = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='job_runs'").fetchone()
+    if not has:
+        return []
+    rows = conn.execute(
+        "SELECT job, user, name, gpus, submitted, start, end, how, wait, restart FROM job_runs "
+        "WHERE (end > ? OR start >= ?) AND start < ? ORDER BY start, id",
+        (since, since, until),
+    )
+    return [
+        JobRunRow(job, user, name, len([g for g in gs.split(",") if g]), sub, s, e, how, wait, restart)
+        for job, user, name, gs, sub, s, e, how, wait, restart in rows
+    ]
 
 
 def extent(conn: sqlite3.Connection) -> Optional[Tuple[float, float]]:

@@ -151,14 +151,54 @@ def process_rows(
     )
 
 
+JOB_FIGURES = ("runs", "gpu_seconds", "preemptions", "wait_seconds")  # per job, and per user as job_*
+
+
+def _job_figures(run: historydb.JobRunRow, since: float, until: float) -> Dict[str, float]:
+    """What one run adds: GPU-seconds inside the period; its preemption, when it ended so inside it; its
+    wait, when it started inside it."""
+    return {
+        "runs": 1,
+        "gpu_seconds": run.gpus * max(0.0, min(run.end, until) - max(run.start, since)),
+        "preemptions": int(run.how == "preempted" and since <= run.end < until),
+        "wait_seconds": run.wait if since <= run.start < until else 0.0,
+    }
+
+
+def job_rows(runs: List[historydb.JobRunRow], since: float, until: float) -> List[dict]:
+    """Per queued job: its runs in the period, their GPU-seconds, preemptions and waits (queued time
+    before each start), and how its last run ended (`running` while it runs)."""
+    out: Dict[Tuple[int, float], dict] = {}
+    for run in runs:  # (by start: the last one wins `last`)
+        row = out.setdefault(
+            (run.job, run.submitted),
+            {"job": run.job, "user": run.user, "name": run.name, **dict.fromkeys(JOB_FIGURES, 0)},
+        )
+        for key, value in _job_figures(run, since, until).items():
+            row[key] += value
+        row["last"] = run.how
+    return [_rounded(r) for r in sorted(out.values(), key=lambda r: (r["job"], r["user"]))]
+
+
+def _rounded(row: dict) -> dict:
+    return {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+
+
 def user_rows(
-    spans: List[historydb.Span], idle: List[historydb.Span], since: float, until: float
+    spans: List[historydb.Span],
+    idle: List[historydb.Span],
+    since: float,
+    until: float,
+    runs: Sequence[historydb.JobRunRow] = (),
 ) -> List[dict]:
-    """GPU-seconds per user (foreign use, and our workloads' users) and seconds as an idle holder."""
+    """GPU-seconds per user (foreign use, and our workloads' and jobs' users), seconds as an idle holder,
+    and their queued jobs' figures (job_runs, job_gpu_seconds, job_preemptions, job_wait_seconds)."""
     out: Dict[str, dict] = {}
+    jobs: Dict[str, set] = {}
 
     def row(user: str) -> dict:
-        return out.setdefault(user, {"user": user, "gpu_seconds": 0.0, "idle_holder_seconds": 0.0})
+        empty = {"user": user, "gpu_seconds": 0.0, "idle_holder_seconds": 0.0, "jobs": 0}
+        return out.setdefault(user, {**empty, **{f"job_{k}": 0 for k in JOB_FIGURES}})
 
     for s in spans:
         if s.kind in ("foreign", "harvesting"):
@@ -166,6 +206,12 @@ def user_rows(
                 row(user)["gpu_seconds"] += s.within(since, until)
     for e in idle:
         row(e.key)["idle_holder_seconds"] += e.within(since, until)
+    for run in runs:
+        r = row(run.user)
+        for key, value in _job_figures(run, since, until).items():
+            r[f"job_{key}"] += value
+        jobs.setdefault(run.user, set()).add((run.job, run.submitted))
+        r["jobs"] = len(jobs[run.user])
     return sorted(
         ({k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in out.values()),
         key=lambda r: (-r["gpu_seconds"], r["user"]),
@@ -179,12 +225,14 @@ def summarize(conn: object, since: float, until: float) -> dict:
     yields = historydb.preemptions(conn, since, until)  # type: ignore[arg-type]
     edges = day_edges(since, until)
     grid = cells([g[0] for g in gpus], spans, edges)
+    runs = historydb.job_runs(conn, since, until)  # type: ignore[arg-type]
     return {
         "since": _iso(since),
         "until": _iso(until),
         "gpus": gpu_rows(gpus, grid, yields),
         "processes": process_rows(historydb.runs(conn, since, until), since, until),  # type: ignore[arg-type]
-        "users": user_rows(spans, historydb.idle_episodes(conn, since, until), since, until),  # type: ignore[arg-type]
+        "users": user_rows(spans, historydb.idle_episodes(conn, since, until), since, until, runs),  # type: ignore[arg-type]
+        "jobs": job_rows(runs, since, until),
         "days": day_rows(grid, edges, yields),
         "total": total_row(grid, yields),
     }

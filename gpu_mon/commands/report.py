@@ -12,8 +12,10 @@ import time
 from typing import List
 
 from gpu_mon.api import historydb, summary
+from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
 from gpu_mon.config import HistorySection
+from gpu_mon.engine.words import duration
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([mhdw])$")
 _UNIT_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -27,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", default=None, metavar="WHEN", help="the same forms (default: now)")
     p.add_argument(
         "--by",
-        choices=("gpu", "day", "process", "user"),
+        choices=("gpu", "day", "process", "user", "job"),
         default="gpu",
-        help="a row per GPU (the default), per day, per [process-*] section or per user",
+        help="a row per GPU (the default), per day, per [process-*] section, per user or per queued job",
     )
     p.add_argument("--json", action="store_true", help="everything, machine-readable")
     p.add_argument(
@@ -107,8 +109,41 @@ def render(doc: dict, by: str) -> List[str]:
     if by == "process":
         rows = [[p["name"], str(p["runs"]), _hours(p["gpu_seconds"])] for p in doc["processes"]]
         return lines + _table(["process", "runs", "GPU time"], rows)
-    rows = [[u["user"], _hours(u["gpu_seconds"]), _hours(u["idle_holder_seconds"])] for u in doc["users"]]
-    return lines + _table(["user", "GPU time", "as an idle holder"], rows)
+    if by == "job":
+        return lines + _job_table(doc, _hours)
+    rows = [
+        [
+            u["user"],
+            _hours(u["gpu_seconds"]),
+            _hours(u["idle_holder_seconds"]),
+            str(u.get("jobs", 0)),
+            _hours(u.get("job_gpu_seconds", 0.0)),
+            str(u.get("job_preemptions", 0)),
+            duration(u.get("job_wait_seconds", 0.0)),
+        ]
+        for u in doc["users"]
+    ]
+    heads = ["user", "GPU time", "as an idle holder", "jobs", "job GPU time", "preemptions", "waited"]
+    return lines + _table(heads, rows)
+
+
+def _job_table(doc: dict, _hours) -> List[str]:
+    """A row per queued job: its runs, GPU time, preemptions, time waited before its starts, last end."""
+    rows = [
+        [
+            str(j["job"]),
+            sanitize(j["user"]),
+            sanitize(j["name"]),
+            str(j["runs"]),
+            _hours(j["gpu_seconds"]),
+            str(j["preemptions"]),
+            duration(j["wait_seconds"]),
+            j["last"],
+        ]
+        for j in doc.get("jobs", [])
+    ]
+    heads = ["job", "user", "name", "runs", "GPU time", "preemptions", "waited", "last run"]
+    return _table(heads, rows) if rows else [*_table(heads, []), "(no queued job ran in this period)"]
 
 
 def _state_table(doc: dict, by: str, _hours) -> List[str]:

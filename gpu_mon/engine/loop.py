@@ -45,6 +45,7 @@ class RoundReport:
     idle_started: Tuple[IdleHolder, ...] = ()  # idle-holder episodes that began in this round
     idle_ended: Tuple[IdleHolder, ...] = ()  # ... and that ended
     scans: Tuple[Tuple[str, float], ...] = ()  # (mode, seconds) of the holder scans since the last round
+    queue: Optional[object] = None  # [queue]: queue/runs.QueueReport (None without a queue)
     slurm: Optional[object] = None  # [slurm]: slurm/view.SlurmReport (None without [slurm])
 
 

@@ -31,6 +31,7 @@ from gpu_mon.queue import jobs as J
 from gpu_mon.queue import placement
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.requests import Requests, View, groups_of, output_of
+from gpu_mon.queue.runs import QueueReport, Runs
 from gpu_mon.queue.server import Server
 from gpu_mon.queue.store import Store
 
@@ -86,12 +87,15 @@ class Queue:
         self.placed_on: tuple = ()
         self.placed_at = -1e9
         self.force_place = False  # a job ended (its GPUs may take the next one at once)
+        self.runs = Runs()  # what status, history and metrics hear of (report())
 
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
         """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
+        self._runs_seen()  # (the runs an earlier daemon left, before they are taken over)
         self._adopt()
+        self._runs_seen()
         try:
             self.server.start()
         except BaseException:
@@ -174,6 +178,7 @@ class Queue:
         self._preempt(urgent, index_of, now)
         self._time_up(urgent)
         self._reconcile(now)
+        self._runs_seen()  # every end of this round is seen before a job starts again
         due = self.next_wake is not None and now >= self.next_wake
         inputs = (self.store.version, tuple(views))
         gpus_changed = not self.placed_on or inputs[1] != self.placed_on[1]
@@ -198,6 +203,17 @@ class Queue:
         wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
         self.next_wake = min(wakes) if wakes else None
         return _without_claimed(decision, self.plan.claimed)
+
+    def report(self) -> QueueReport:
+        """For the outputs: the jobs in each state, the runs going on, and those that began or ended
+        since the last report."""
+        self._runs_seen()
+        return self.runs.take()
+
+    def _runs_seen(self) -> None:
+        version = self.store.version
+        if version != self.runs.version:
+            self.runs.seen(self.store.all(), version, self.wall())
 
     def _views(self, decision: Decision, uuids: List[str]) -> List[placement.GpuView]:
         on: Dict[str, Tuple[str, bool]] = {}

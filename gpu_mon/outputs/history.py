@@ -22,6 +22,8 @@ from gpu_mon.api import historydb
 from gpu_mon.config import HistorySection
 from gpu_mon.engine import gpustate
 from gpu_mon.engine.loop import RoundReport
+from gpu_mon.engine.queue import PREFIX as JOB_PREFIX
+from gpu_mon.queue.runs import JobRun
 
 log = logging.getLogger("gpu_mon")
 FLUSH_SECONDS = 5.0
@@ -66,8 +68,10 @@ class History:
         self._gpus(report)
         self._states(report, wall)
         self._runs(report, wall)
+        self._job_runs(report)
         for p in report.preemptions:
             self._put(("preemption", p.wall, p.uuid, p.workload, p.who, p.detected_by, p.term_ms, p.gone_ms))
+        self._slurm(report)
         for h in report.idle_started:
             since = wall - h.idle_seconds(report.snapshot.now)
             self._put(("idle_start", (h.pid, h.uuid), h.uuid, h.pid, h.user, h.program, h.memory_mib, since))
@@ -96,8 +100,27 @@ class History:
                 self.sent_states[uuid] = now
                 self._put(("state", uuid, *now, wall))
 
+    def _slurm(self, report: RoundReport) -> None:
+        """[slurm]: a preemptible Slurm job that Slurm requeued or cancelled at gpu-mon's request is a
+        preemption (its time: from the wake that saw the use to the call's start)."""
+        for a in report.slurm.actions if report.slurm is not None else ():  # type: ignore[attr-defined]
+            if a.result == "ok" and a.action != "signal" and a.issued_ms is not None:
+                what = f"Slurm job {a.job} ({a.user}, {a.partition or '?'}): {a.action}"
+                self._put(("preemption", a.wall, a.gpu, what, a.by, a.seen_by, a.issued_ms, None))
+
+    def _job_runs(self, report: RoundReport) -> None:
+        """[queue]: each run of a job as it starts and ends."""
+        queue = report.queue
+        if queue is None:
+            return
+        for run in queue.started:  # type: ignore[attr-defined]
+            self._put(("job_start", (run.job, run.submitted, run.start), run))
+        for run in queue.ended:  # type: ignore[attr-defined]
+            self._put(("job_end", (run.job, run.submitted, run.start), run))
+
     def _runs(self, report: RoundReport, wall: float) -> None:
-        live = {w["key"]: w for w in report.workloads}
+        # (a queued job's run is a workload of the supervisor too: it is recorded by _job_runs)
+        live = {w["key"]: w for w in report.workloads if not w["key"].startswith(JOB_PREFIX)}
         sections = {p.name: p for p in report.config.processes}
         for key, w in live.items():
             if key not in self.runs or self.runs[key]["pid"] != w["pid"]:
@@ -137,6 +160,10 @@ def _users_by_gpu(report: RoundReport, state_of: Dict[str, str]) -> Dict[str, st
         for uuid in w["gpus"]:
             if state_of.get(uuid) == "harvesting":
                 out.setdefault(uuid, set()).add(sections.get(w["key"].split("@", 1)[0], ""))
+    for run in report.queue.running if report.queue is not None else ():  # type: ignore[attr-defined]
+        for uuid in run.gpus:
+            if state_of.get(uuid) == "harvesting":
+                out.setdefault(uuid, set()).add(run.user)
     return {u: ",".join(sorted(x for x in users if x)) for u, users in out.items()}
 
 
@@ -149,8 +176,9 @@ class _Writer:
         self.retry_at = 0.0
         self.next_retention = 0.0
         self.failed_said = False
-        self.open: Dict[str, Dict[object, int]] = {"intervals": {}, "runs": {}, "idle_holders": {}}
-        self.current: Dict[str, Dict[object, tuple]] = {"intervals": {}, "runs": {}, "idle_holders": {}}
+        tables = ("intervals", "runs", "idle_holders", "job_runs")
+        self.open: Dict[str, Dict[object, int]] = {t: {} for t in tables}
+        self.current: Dict[str, Dict[object, tuple]] = {t: {} for t in tables}
 
     def run(self) -> None:
         """Until a `close` operation: gather a batch, write it."""
@@ -265,6 +293,10 @@ class _Writer:
             self.current["idle_holders"][op[1]] = op
         elif kind == "idle_end":
             self.current["idle_holders"].pop(op[1], None)
+        elif kind == "job_start":
+            self.current["job_runs"][op[1]] = op
+        elif kind == "job_end":
+            self.current["job_runs"].pop(op[1], None)
 
     def _reopen_current(self, now: float) -> None:
         try:
@@ -277,6 +309,8 @@ class _Writer:
             for table, opener in openers.items():
                 for op in list(self.current[table].values()):
                     opener((*op[:-1], now))
+            for op in list(self.current["job_runs"].values()):
+                self._op_job_start(op)  # (the same row: a run is its job and start)
             self.conn.execute("COMMIT")
         except historydb.Error as err:
             self._failed(now, err)
@@ -349,3 +383,32 @@ class _Writer:
             "INSERT INTO samples (time, uuid, memory_used_mib, utilization_pct) VALUES (?, ?, ?, ?)",
             [(wall, *row) for row in rows],
         )
+
+    def _op_job_start(self, op: tuple) -> None:
+        _, key, run = op
+        self.conn.execute(
+            "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?) "
+            "ON CONFLICT (job, submitted, start) DO UPDATE SET how = 'running'",
+            (*_job_run(run), run.start, run.wait, run.restart),
+        )
+        row = self.conn.execute(
+            "SELECT id FROM job_runs WHERE job = ? AND submitted = ? AND start = ?", key
+        ).fetchone()
+        self.open["job_runs"][key] = row[0]
+
+    def _op_job_end(self, op: tuple) -> None:
+        """The run's end (None: an earlier daemon's run, gone with it: its last recorded end stays)."""
+        _, key, run = op
+        self.open["job_runs"].pop(key, None)
+        self.conn.execute(
+            "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart) "
+            "VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?) "
+            "ON CONFLICT (job, submitted, start) DO UPDATE SET end = COALESCE(?, end), how = excluded.how",
+            (*_job_run(run), run.end, run.start, run.how, run.wait, run.restart, run.end),
+        )
+
+
+def _job_run(run: JobRun) -> tuple:
+    """(job, user, name, gpus, submitted, start) of a run, as the job_runs table has them."""
+    return (run.job, run.user, run.name, ",".join(run.gpus), run.submitted, run.start)

@@ -25,12 +25,17 @@ from gpu_mon import __version__, safefile
 from gpu_mon.config import MetricsSection
 from gpu_mon.engine import gpustate
 from gpu_mon.engine.loop import RoundReport
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.runs import PREEMPTED, QueueReport
+from gpu_mon.slurm.view import SlurmReport
 
 log = logging.getLogger("gpu_mon")
 MIB = 1 << 20
 # Foreign open to stop signal: ms when the open is seen, up to interval_seconds when only a poll sees it.
 YIELD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SCAN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Submission (or requeue) to start of a queued job: a second to a day.
+WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
 TEXTFILE_MIN_GAP = 1.0  # seconds between two writes of the textfile (a round can come every few ms)
 
 
@@ -97,6 +102,11 @@ class Tally:
         self.idle_memory: Dict[Tuple[str, str], float] = {}
         self.yields = Histogram(YIELD_BUCKETS)
         self.scans: Dict[str, Histogram] = {}
+        self.slurm: Optional[SlurmReport] = None  # [slurm]: its families are shown only with the section
+        self.queue_on = False  # [queue]: its families are shown only with a queue
+        self.queue_jobs: Dict[str, int] = dict.fromkeys(J.STATES, 0)
+        self.waits = Histogram(WAIT_BUCKETS)
+        self.job_preemptions = 0
 
     def update(self, report: RoundReport) -> None:
         """Count one round."""
@@ -113,6 +123,45 @@ class Tally:
         for h in report.idle_holders:
             idle[(h.uuid, h.user)] = idle.get((h.uuid, h.user), 0.0) + h.memory_mib * MIB
         self.idle_memory = idle
+        self._queue(report.queue)  # type: ignore[arg-type]
+        self.slurm = report.slurm  # type: ignore[assignment]
+
+    def _queue(self, queue: Optional[QueueReport]) -> None:
+        self.queue_on = queue is not None
+        if queue is None:
+            return
+        self.queue_jobs = {s: queue.counts.get(s, 0) for s in J.STATES}
+        for run in queue.started:
+            if not run.earlier:  # (an earlier daemon's run was counted by that daemon)
+                self.waits.observe(run.wait)
+        self.job_preemptions += sum(1 for run in queue.ended if run.how == PREEMPTED)
+
+    def _slurm_families(self) -> Tuple[Family, ...]:
+        s = self.slurm or SlurmReport()
+        return (
+            Family(
+                "gpu_mon_slurm_actions_total",
+                "counter",
+                "Calls asking Slurm to signal, requeue or cancel a preemptible job, by result "
+                "(ok, failed, unreachable, gone: the job had ended).",
+                ("action", "result"),
+                tuple(((a, r), n) for a, r, n in s.counts),
+            ),
+            Family(
+                "gpu_mon_slurm_unreachable",
+                "gauge",
+                "1 while the last call to Slurm found slurmctld unreachable.",
+                (),
+                (((), int(s.unreachable)),),
+            ),
+            Family(
+                "gpu_mon_slurm_unreachable_episodes_total",
+                "counter",
+                "Times Slurm became unreachable.",
+                (),
+                (((), s.episodes),),
+            ),
+        )
 
     def _gpu(self, uuid: str) -> _GpuTally:
         return self.gpus.setdefault(uuid, _GpuTally())
@@ -165,7 +214,9 @@ class Tally:
 
     def families(self) -> Tuple[Family, ...]:
         """A snapshot for the exposition threads."""
-        return (*self._gpu_families(), *self._work_families(), *self._histograms())
+        queue = self._queue_families() if self.queue_on else ()
+        slurm = self._slurm_families() if self.slurm is not None else ()
+        return (*self._gpu_families(), *self._work_families(), *self._histograms(), *queue, *slurm)
 
     def _gpu_families(self) -> Tuple[Family, ...]:
         g = sorted(self.gpus.items())
@@ -272,6 +323,32 @@ class Tally:
             ),
         )
 
+    def _queue_families(self) -> Tuple[Family, ...]:
+        return (
+            Family(
+                "gpu_mon_queue_jobs",
+                "gauge",
+                "Jobs of the queue in each state.",
+                ("state",),
+                tuple(((s,), n) for s, n in self.queue_jobs.items()),
+            ),
+            Family(
+                "gpu_mon_queue_wait_seconds",
+                "histogram",
+                "From a job's submission (or its return to the queue) to its start.",
+                (),
+                (((), self.waits.value()),),
+                WAIT_BUCKETS,
+            ),
+            Family(
+                "gpu_mon_job_preemptions_total",
+                "counter",
+                "Runs of queued jobs stopped because someone else took one of their GPUs.",
+                (),
+                (((), self.job_preemptions),),
+            ),
+        )
+
 
 def _gauge(name: str, text: str, gpus: List[Tuple[str, _GpuTally]], field: str) -> Family:
     """A per-GPU gauge, without a sample for a GPU whose value is unknown now."""
@@ -282,7 +359,10 @@ def _gauge(name: str, text: str, gpus: List[Tuple[str, _GpuTally]], field: str) 
 def names() -> Tuple[str, ...]:
     """Every metric name the daemon exports, as a query sees it (with _bucket, _sum, _count)."""
     out: List[str] = []
-    for f in Tally().families():
+    tally = Tally()
+    tally.queue_on = True
+    tally.slurm = SlurmReport()
+    for f in tally.families():
         out += [f"{f.name}_bucket", f"{f.name}_sum", f"{f.name}_count"] if f.kind == "histogram" else [f.name]
     return tuple(out)
 

@@ -15,6 +15,7 @@ from gpu_mon.engine.decisions import Decision, Instance
 from gpu_mon.engine.idleholders import IdleHolder
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.engine.policy import Plan, ignored
+from gpu_mon.queue.runs import JobRun, QueueReport
 
 
 def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
@@ -36,6 +37,7 @@ def from_report(report: RoundReport) -> dict:
         source=report.source,
         wall=report.wall,
         idle_holders=report.idle_holders,
+        queue=report.queue,  # type: ignore[arg-type]
     )
 
 
@@ -51,11 +53,13 @@ def build(
     source: str = "",
     wall: Optional[float] = None,
     idle_holders: Iterable[IdleHolder] = (),
+    queue: Optional[QueueReport] = None,
 ) -> dict:
     """The whole status document. Times are wall-clock seconds (rounded), so that a document that nothing
-    changed in stays the same from round to round, and durations are computed when it is shown."""
+    changed in stays the same from round to round, and durations are computed when it is shown. With a
+    queue: each GPU's `job` and the `queue` (jobs in each state, the runs going on)."""
     doc = _Document(plan, snap, decision, list(workloads), time.time() if wall is None else wall)
-    return {
+    out = {
         "version": 1,
         "gpu_mon": __version__,
         "source": source,
@@ -84,6 +88,31 @@ def build(
         ],
         "decisions": list(decisions),
     }
+    return out if queue is None else with_queue(out, queue)
+
+
+def _job(run: JobRun) -> dict:
+    return {
+        "id": run.job,
+        "user": run.user,
+        "name": run.name,
+        "state": run.state,
+        "gpus": list(run.gpus),
+        "started_wall": round(run.start),
+        "restarts": run.restart,
+    }
+
+
+def with_queue(doc: dict, queue: QueueReport) -> dict:
+    """The document with what the queue knows: each GPU's job (None when it runs none) and `queue`."""
+    on: Dict[str, dict] = {}
+    for run in queue.running:
+        for uuid in run.gpus:
+            on[uuid] = _job(run)
+    for g in doc["gpus"]:
+        g["job"] = on.get(g.get("uuid") or "")
+    doc["queue"] = {"jobs": dict(queue.counts), "running": [_job(r) for r in queue.running]}
+    return doc
 
 
 class _Document:
@@ -220,6 +249,8 @@ def render(doc: dict) -> str:
         lines += _gpu_lines(g, now)
     if not doc.get("gpus"):
         lines.append("No GPUs found.")
+    if doc.get("queue"):
+        lines += ["", queue_line(doc["queue"])]
     lines += _idle_holder_lines(doc, now) + _terminal_lines(doc, now) + _workload_lines(doc, now)
     if doc.get("occupiers"):
         lines += ["", "Occupiers (gpu-mon occupy, every user's):"]
@@ -300,6 +331,8 @@ def _gpu_lines(g: dict, now: float) -> List[str]:
         state = f"free for {words.duration(now - g['free_since_wall'])}"
     elif state == "busy" and g["reasons"]:
         state = f"busy: {g['reasons'][0]}"
+    elif g.get("job"):
+        state = job_words(g["job"], now)  # (rather than `running job 17`)
     watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
     lines = [f"{gpu_label(g['index'], g['uuid'])}  {g['name']}  {mem}  {util}  {watched}", f"    {state}"]
     lines += [f"    also: {reason}" for reason in g["reasons"][1:]]
@@ -308,6 +341,22 @@ def _gpu_lines(g: dict, now: float) -> List[str]:
     if g["nvml_processes"]:
         lines.append("    NVML processes: " + ", ".join(_who(h) for h in g["nvml_processes"]))
     return lines
+
+
+def job_words(job: dict, now: float) -> str:
+    """`job 17 alice lr-3e-4 (running 1 h 2 min, restart 1)`."""
+    up = words.duration(now - job["started_wall"]) if job.get("started_wall") is not None else "?"
+    restart = f", restart {job['restarts']}" if job.get("restarts") else ""
+    who = f"{sanitize(str(job['user']))} {sanitize(str(job['name']))}"
+    return f"job {job['id']} {who} ({job['state']} {up}{restart})"
+
+
+def queue_line(queue: dict) -> str:
+    """`Queue: 3 running, 12 queued, 2 held (gpu-mon jobs lists them)`."""
+    n = queue.get("jobs") or {}
+    shown = [s for s in ("running", "stopping", "queued", "held") if n.get(s) or s != "stopping"]
+    parts = [f"{n.get(s, 0)} {s}" for s in shown]
+    return f"Queue: {', '.join(parts)} (gpu-mon jobs lists them)"
 
 
 def with_idle_seconds(doc: dict, now: float) -> dict:

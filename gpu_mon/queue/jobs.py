@@ -51,6 +51,7 @@ class Job:
     gpu_seconds: float = 0.0  # over all its runs that ended
     leader_pid: int = 0  # the leader of its current run, and its start ticks (for a daemon restart)
     leader_ticks: int = 0
+    queued_at: Optional[float] = None  # when it last went back to the queue (None: waits since submitted)
 
     @property
     def env_dict(self) -> Dict[str, str]:
@@ -77,6 +78,11 @@ def stopping(job: Job, why: str) -> Job:
     return dataclasses.replace(job, state=STOPPING, reason=why)
 
 
+def waited_since(job: Job) -> float:
+    """Since when it waits (or waited before its current run): its submission, or its last requeue."""
+    return job.queued_at if job.queued_at is not None else job.submitted
+
+
 def _ran(job: Job, now: float) -> float:
     return max(0.0, now - (job.started or now)) * max(1, len(job.gpus))
 
@@ -87,11 +93,18 @@ def ended(job: Job, now: float, returncode: int) -> Job:
     base = dataclasses.replace(job, gpu_seconds=used, leader_pid=0, leader_ticks=0, exit_status=returncode)
     if job.state == STOPPING and job.reason == STOP_PREEMPT:
         if job.requeue:
-            return dataclasses.replace(base, state=QUEUED, restarts=job.restarts + 1, reason="preempted")
+            return dataclasses.replace(
+                base, state=QUEUED, restarts=job.restarts + 1, reason="preempted", queued_at=now
+            )
         return dataclasses.replace(base, state=PREEMPTED, ended=now, reason="preempted (no requeue)")
     if job.state == STOPPING and job.reason == STOP_RESTART:
         return dataclasses.replace(
-            base, state=QUEUED, restarts=job.restarts + 1, exit_status=None, reason="gpu-mon restarted"
+            base,
+            state=QUEUED,
+            restarts=job.restarts + 1,
+            exit_status=None,
+            reason="gpu-mon restarted",
+            queued_at=now,
         )
     if job.state == STOPPING and job.reason == STOP_TIMEOUT:
         return dataclasses.replace(base, state=TIMEOUT, ended=now, exit_status=124, reason="time limit")
@@ -106,7 +119,7 @@ def run_lost(job: Job, now: float) -> Job:
     to (a cancel cancelled, a time limit timeout); a running job goes back to the queue, as a restart."""
     if job.state == STOPPING and job.reason != STOP_RESTART:
         return ended(job, now, 128 + 9)
-    return dataclasses.replace(requeued_after_restart(job), restarts=job.restarts + 1)
+    return dataclasses.replace(requeued_after_restart(job), restarts=job.restarts + 1, queued_at=now)
 
 
 def requeued_after_restart(job: Job) -> Job:
