@@ -216,6 +216,7 @@ class QueueSection:
     start_delay_seconds: Optional[float] = None  # None: [defaults] start_delay_seconds
     preempt_workloads: bool = True
     database: str = "/var/lib/gpu_mon/queue.sqlite"
+    keep_finished_days: float = 7.0  # a finished job leaves the database after this long (0: never)
     line: int = 0
 
 
@@ -951,6 +952,7 @@ def _queue_section(sec: _Section, base: str, warn: List[str]) -> QueueSection:
         "start_delay_seconds": _optional(_seconds),
         "preempt_workloads": _bool,
         "database": _path(base),
+        "keep_finished_days": _seconds,
     }
     values = sec.parse(schema)
     if "users" in values:

@@ -631,3 +631,72 @@ def test_the_jobs_table_lists_the_first_100_waiting_and_counts_the_rest_json_lis
     listed = json.loads(lab.run(lab.bob, "jobs", "--json").stdout)["jobs"]
     assert [j["id"] for j in listed] == list(range(1, 104)) and "gpu_indices" not in listed[0]
     assert listed[5]["command"] == ["true", "5"] and listed[5]["reason"] == "held"
+
+
+def test_a_reload_applies_queue_limits_at_once_and_keeps_the_socket_and_a_removed_queue_till_restart(
+    lab, daemon_factory
+):
+    body = queue_body(lab, "max_running_per_user = 1\n")
+    d = daemon_factory(body, defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    first = lab.submit(lab.alice, *lab.job_cmd("forever"))
+    second = lab.submit(lab.alice, *lab.job_cmd("forever"))
+    lab.wait_state(lab.alice, first, "running")
+    wait_for(
+        lambda: lab.jobs(lab.alice)[second]["reason"] == "waiting: gmqalice has 1 running (limit 1)",
+        20,
+        "the limit as the reason",
+    )
+    moved = lab.dir / "elsewhere.sock"
+    d.write_config(
+        body.replace("max_running_per_user = 1\n", "max_running_per_user = 2\n")
+        .replace(str(lab.socket), str(moved))
+        .replace(str(lab.database), str(lab.dir / "other.sqlite"))
+    )
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"reloaded .*; changed: \[queue\]")
+    lab.wait_state(lab.alice, second, "running")  # the new limit, at once, on the old socket
+    assert "reload: [queue] socket changes take effect when gpu-mon restarts" in d.log()
+    assert "reload: [queue] database changes take effect when gpu-mon restarts" in d.log()
+    assert not moved.exists() and not (lab.dir / "other.sqlite").exists()
+    # [queue] removed: the queue and its running jobs go on until a restart (nothing left unstopped)
+    d.write_config("[gpu-all]\ngpus = ALL\n")
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"reload: \[queue\] removed: the queue and its jobs keep running until gpu-mon restarts")
+    d.wait_log(r"reloaded ", count=2)
+    jobs = lab.jobs(lab.bob)
+    assert jobs[first]["state"] == jobs[second]["state"] == "running"
+    assert lab.run(lab.alice, "cancel", str(first), str(second)).returncode == 0
+    lab.wait_state(lab.alice, second, "cancelled")
+
+
+def test_finished_jobs_leave_the_database_after_keep_finished_days_at_start_and_on_a_reload(
+    lab, daemon_factory
+):
+    body = queue_body(lab, "keep_finished_days = 0\nfair_window_hours = 0.0001\n")
+    d = daemon_factory(body, defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    done = lab.submit(lab.alice, *lab.job_cmd("exit", "0"))
+    waiting = lab.submit(lab.alice, "--hold", *lab.job_cmd("exit", "0"))
+    lab.wait_state(lab.alice, done, "done")
+    ended = time.time()
+    wait_for(lambda: time.time() > ended + 1.0, 5, "the job to be a second old")
+    assert set(lab.jobs(lab.alice)) == {done, waiting}  # 0: kept for ever
+    # keep_finished_days = 0.00001 (0.9 s): a reload applies it at once
+    d.write_config(body.replace("keep_finished_days = 0\n", "keep_finished_days = 0.00001\n"))
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"queue: 1 finished job\(s\) older than 1e-05 day\(s\) removed from ")
+    assert set(lab.jobs(lab.alice)) == {waiting}  # the held one stays
+    with contextlib.closing(sqlite3.connect(lab.database)) as db:
+        assert db.execute("SELECT id FROM jobs").fetchall() == [(waiting,)]
+    # and when the daemon starts
+    assert lab.run(lab.alice, "release", str(waiting)).returncode == 0
+    lab.wait_state(lab.alice, waiting, "done")
+    d.stop()
+    ended = time.time()
+    wait_for(lambda: time.time() > ended + 1.0, 5, "the job to be a second old")
+    d.start()
+    d.wait_log(r"queue: 1 finished job\(s\) older than", count=2)
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    assert lab.jobs(lab.alice) == {}
+    assert lab.submit(lab.alice, *lab.job_cmd("exit", "0")) == waiting + 1  # ids are never reused

@@ -121,3 +121,42 @@ def test_a_run_lost_with_an_earlier_daemon_ends_as_its_stop_meant_or_goes_back_t
     assert (restart.state, restart.restarts, restart.leader_pid) == (J.QUEUED, 1, 0)
     no_requeue = dataclasses.replace(running, requeue=False)
     assert J.run_lost(J.stopping(no_requeue, J.STOP_PREEMPT), 20.0).state == J.PREEMPTED
+
+
+def test_prune_removes_old_finished_jobs_only_keeps_what_a_waiting_job_is_after_and_never_reuses_ids(
+    tmp_path,
+):
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, 0.0)
+    ids = [store.submit(new_job(), 1000)[0].id for _ in range(6)]
+    store.change(ids[0], lambda j: J.cancelled(j, 100.0, "x"))  # old: removed
+    store.change(ids[1], lambda j: J.cancelled(j, 100.0, "x"))  # old, but job 6 waits after it: kept
+    store.change(ids[2], lambda j: J.cancelled(j, 900.0, "x"))  # recent: kept
+    store.change(ids[3], lambda j: J.ended(J.started(j, ("GPU-0",), 50.0, 1, 1), 150.0, 0))  # old, done
+    store.change(ids[4], lambda j: J.started(j, ("GPU-0",), 50.0, 1, 1))  # running: kept
+    store.change(ids[5], lambda j: dataclasses.replace(j, after=(ids[1],)))
+    version = store.version
+    assert store.prune(before=500.0, batch=1) == 2  # (one per transaction: the lock is let go between)
+    assert sorted(j.id for j in store.all()) == [2, 3, 5, 6] and store.version > version
+    assert store.prune(before=500.0) == 0
+    store.close()
+    again = Store.open(path, 0.0)  # gone from the file too
+    assert sorted(j.id for j in again.all()) == [2, 3, 5, 6]
+    assert again.submit(new_job(), 1000)[0].id == 7  # an id is never given twice
+
+
+def test_the_pruner_keeps_finished_jobs_for_keep_finished_days_and_at_least_the_fair_window(tmp_path):
+    from gpu_mon.config import QueueSection
+    from gpu_mon.queue.prune import Pruner
+
+    store = Store.open(str(tmp_path / "q.sqlite"), 0.0)
+    for ended in (0.0, 3 * 86400.0, 6 * 86400.0):
+        job, _ = store.submit(new_job(), 1000)
+        store.change(job.id, lambda j, t=ended: J.cancelled(j, t, "x"))
+    section = QueueSection(keep_finished_days=0)
+    pruner = Pruner(store, lambda: section, lambda: 7 * 86400.0)
+    assert pruner.once() == 0 and len(store.all()) == 3  # 0: for ever
+    section = QueueSection(keep_finished_days=2, fair_window_hours=24 * 5)  # the window is longer
+    assert pruner.once() == 1 and [j.id for j in store.all()] == [2, 3]
+    section = QueueSection(keep_finished_days=2)
+    assert pruner.once() == 1 and [j.id for j in store.all()] == [3]

@@ -588,10 +588,13 @@ class Daemon:
             if getattr(d, key) != getattr(old, key):
                 log.warning("reload: [defaults] %s changes take effect when gpu-mon restarts", key)
         fixed = dataclasses.replace(d, state_file=old.state_file, containment=old.containment)
-        for section in ("history", "metrics", "queue"):
+        for section in ("history", "metrics"):
             if reload.unplaced(getattr(new, section)) != reload.unplaced(getattr(self.config, section)):
                 log.warning("reload: [%s] changes take effect when gpu-mon restarts", section)
-        kept = {"history": self.config.history, "metrics": self.config.metrics, "queue": self.config.queue}
+        queue, notes = reload.queue_on_reload(self.config.queue, new.queue)
+        for note in notes:
+            log.warning("reload: %s", note)
+        kept = {"history": self.config.history, "metrics": self.config.metrics, "queue": queue}
         return dataclasses.replace(new, defaults=fixed, **kept)
 
     def _apply(self, new: Config, now: float) -> None:
@@ -604,6 +607,8 @@ class Daemon:
         watch_changed = new.defaults.watch_opens != self.config.defaults.watch_opens
         sentinel_changed = _sentinel_rule(new) != _sentinel_rule(self.config)
         self.config = new
+        if self.queue is not None and new.queue is not None:
+            self.queue.reconfigure(new)  # (its socket and database stay until a restart)
         if sentinel_changed:
             self._set_sentinel()
         if watch_changed:

@@ -30,6 +30,7 @@ from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import placement
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.prune import Pruner
 from gpu_mon.queue.requests import Requests, View, groups_of, output_of
 from gpu_mon.queue.runs import QueueReport, Runs
 from gpu_mon.queue.server import Server
@@ -79,6 +80,7 @@ class Queue:
         self.view = View()
         self.requests = Requests(self.store, self.q, lambda: self.view, self._changed)
         self.server = Server(self.q.socket, self.requests)
+        self.pruner = Pruner(self.store, lambda: self.q, wall)  # finished jobs, after keep_finished_days
         self.exits: List[Exited] = []
         self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
         self.next_wake: Optional[float] = None
@@ -101,6 +103,7 @@ class Queue:
         except BaseException:
             self.close()
             raise
+        self.pruner.start()
         queued = sum(1 for j in self.store.all() if j.state == J.QUEUED)
         log.info("queue: listening on %s; %d job(s) queued (%s)", self.q.socket, queued, self.q.database)
 
@@ -133,8 +136,24 @@ class Queue:
     def close(self) -> None:
         """Stop listening; close the database; let the next daemon have the queue."""
         self.server.stop()
+        self.pruner.stop()
         self.store.close()
         self.lock.release()
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload's [queue] (its socket and database kept: they change at a restart): limits, order,
+        who may submit, grace, GPUs, start delay, preempt_workloads and keep_finished_days apply now."""
+        assert config.queue is not None
+        before = self.q
+        self.q = self.requests.queue = config.queue
+        self.delay = (
+            self.q.start_delay_seconds
+            if self.q.start_delay_seconds is not None
+            else config.defaults.start_delay_seconds
+        )
+        self.force_place = self.dirty = True  # placed again at once, by the new rules
+        if before.keep_finished_days != self.q.keep_finished_days:
+            self.pruner.poke()
 
     def _changed(self) -> None:
         """A request changed the queue (called from the server's thread): a round soon."""

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from gpu_mon import config as config_mod
-from gpu_mon.config import Config
+from gpu_mon.config import Config, QueueSection
+
+# [queue] keys a reload cannot change (the socket users reach, the database, how jobs are started): the
+# old values stay until gpu-mon restarts.
+QUEUE_RESTART_KEYS = ("socket", "database", "launcher")
 
 
 class Reloader:
@@ -82,7 +86,7 @@ def _sections(config: Config) -> Dict[str, object]:
     found: Dict[str, object] = {"defaults": config.defaults, "tty": config.tty, "history": config.history}
     found.update((f"gpu-{g.name}", g) for g in config.gpu_sections)
     found.update((f"process-{p.name}", p) for p in config.processes)
-    for name in ("sentinel", "metrics", "occupy"):
+    for name in ("sentinel", "metrics", "occupy", "queue"):
         if getattr(config, name) is not None:
             found[name] = getattr(config, name)
     return {name: unplaced(section) for name, section in found.items()}
@@ -93,3 +97,24 @@ def unplaced(section: object) -> object:
     if dataclasses.is_dataclass(section) and hasattr(section, "line"):
         return dataclasses.replace(section, line=0)  # type: ignore[type-var]
     return section
+
+
+def queue_on_reload(
+    old: Optional[QueueSection], new: Optional[QueueSection]
+) -> Tuple[Optional[QueueSection], List[str]]:
+    """The [queue] a reload applies, and what it leaves for a restart (log lines). Its socket, database and
+    launcher keep their old values; a [queue] added starts, and one removed stops, only at a restart (a
+    queue that vanished on a reload would leave its running jobs without anyone to stop them)."""
+    if old is None and new is not None:
+        return None, ["[queue] added: the queue starts when gpu-mon restarts"]
+    if old is not None and new is None:
+        return old, ["[queue] removed: the queue and its jobs keep running until gpu-mon restarts"]
+    if old is None or new is None:
+        return None, []
+    fixed = {k: getattr(old, k) for k in QUEUE_RESTART_KEYS if hasattr(old, k)}
+    notes = [
+        f"[queue] {key} changes take effect when gpu-mon restarts"
+        for key, value in fixed.items()
+        if getattr(new, key) != value
+    ]
+    return dataclasses.replace(new, **fixed), notes

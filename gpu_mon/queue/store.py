@@ -152,6 +152,33 @@ class Store:
             self.version += 1
             return job, ahead
 
+    def prune(self, before: float, batch: int = 500) -> int:
+        """Remove the jobs that ended before `before` (wall time), but not one an unfinished job waits on
+        (`--after`); how many. A few hundred a transaction: the lock is never held long (the daemon's
+        round reads the store). Ids are never reused."""
+        removed = 0
+        while True:
+            with self.lock:
+                needed = {a for j in self.jobs.values() if j.state not in J.ENDED for a in j.after}
+                old = [
+                    i
+                    for i, j in self.jobs.items()
+                    if j.state in J.ENDED and j.ended is not None and j.ended < before and i not in needed
+                ][:batch]
+                if not old:
+                    return removed
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    self.conn.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in old])
+                    self.conn.execute("COMMIT")
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+                for i in old:
+                    del self.jobs[i]
+                self.version += 1
+                removed += len(old)
+
     def change(self, job_id: int, edit: Callable[[Job], Optional[Job]]) -> Optional[Job]:
         """Apply `edit` to the job as it is now and write the result; None when there is no such job or
         `edit` changes nothing (returns None or the job itself). An exception from `edit` writes nothing."""
