@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +105,21 @@ def start_daemon(work: Path, conf: str, pythonpath: str) -> Tuple[subprocess.Pop
         argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work), start_new_session=True
     )
     return daemon, log
+
+
+def queue_request(path: str, obj: dict, timeout: float = 60.0) -> dict:
+    """One request on a gpu-mon queue socket, as `gpu-mon submit` sends it (a 4-byte big-endian length and
+    a JSON object; the answer alike), without importing gpu_mon (a baseline's or this checkout's)."""
+    header = struct.Struct(">I")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        body = json.dumps(obj).encode()
+        s.sendall(header.pack(len(body)) + body)
+        buf = b""
+        while len(buf) < header.size or len(buf) < header.size + header.unpack_from(buf)[0]:
+            data = s.recv(1 << 18)
+            if not data:
+                raise ConnectionError(f"{path}: closed without an answer")
+            buf += data
+        return json.loads(buf[header.size :])

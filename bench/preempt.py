@@ -13,7 +13,8 @@ Modes, in the same run: gpu-mon as shipped (inotify IN_OPEN + incremental scan, 
 scan every 60 s, [history] recording), the same with history off, the same with [metrics] on (endpoint and
 textfile) and scraped 20 times a second throughout, the same at an older version (--baseline REF, a git
 ref of this checkout: the baseline measured side by side), and polling only, as the original gpu_mon does
-(every 1 s with a full scan, no events).
+(every 1 s with a full scan, no events). With --jobs N, also the shipped mode with a [queue] of N jobs
+that cannot start (they wait for a second simulated GPU that a long-lived foreign process keeps busy).
 Then each daemon's CPU use over --idle-seconds of quiet, with the workload running.
 
 Before it starts anything it checks what it needs (root, Linux pidfds, the Python modules the daemons
@@ -42,7 +43,15 @@ from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import Background, free_port, median, percentile, start_daemon, table  # noqa: E402
+from background import (  # noqa: E402
+    Background,
+    free_port,
+    median,
+    percentile,
+    queue_request,
+    start_daemon,
+    table,
+)
 
 WORKLOAD = r"""
 import json, os, signal, sys, time
@@ -142,15 +151,18 @@ class Run:
         code: Path = ROOT,
         history: object = None,
         metrics_port: int = 0,
+        jobs: int = 0,
     ):
         self.dir = work / name
         self.dir.mkdir()
         (self.dir / "dev").mkdir()
         self.device = self.dir / "dev" / "nvidia0"
         self.device.touch()
-        (self.dir / "sim.json").write_text(
-            json.dumps({"gpus": [{"uuid": "GPU-bench-0", "device": "dev/nvidia0"}]})
-        )
+        gpus = [{"uuid": "GPU-bench-0", "device": "dev/nvidia0"}]
+        if jobs:  # a second GPU, kept busy by someone else: the queue's, where no job can start
+            (self.dir / "dev" / "nvidia1").touch()
+            gpus.append({"uuid": "GPU-bench-1", "device": "dev/nvidia1"})
+        (self.dir / "sim.json").write_text(json.dumps({"gpus": gpus}))
         (self.dir / "workload.py").write_text(WORKLOAD)
         self.report = self.dir / "report.jsonl"
         values = {
@@ -170,7 +182,26 @@ class Run:
             )
         if metrics_port:
             conf += f"[metrics]\nlisten = {metrics_port}\ntextfile = {self.dir / 'gpu_mon.prom'}\n"
+        self.busy = None
+        if jobs:
+            conf = conf.replace("[process-bench]\n", "[process-bench]\ngpus = 0\n")
+            conf += (
+                f"[queue]\nsocket = {self.dir / 'queue.sock'}\ndatabase = {self.dir / 'queue.sqlite'}\n"
+                f"gpus = 1\nmax_queued_per_user = {jobs + 1}\n"
+            )
+            self.busy = subprocess.Popen(  # long-lived, like a notebook's kernel
+                [sys.executable, "-c", OPENER, str(self.dir / "dev" / "nvidia1")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            self.busy.stdin.write("open\n")
+            self.busy.stdin.flush()
+            self.busy.stdout.readline()
         self.daemon, self.log = start_daemon(self.dir, conf, str(code))
+        if jobs:
+            self.queue_jobs(jobs)
         self.opener = subprocess.Popen(
             [sys.executable, "-c", OPENER, str(self.device)],
             stdin=subprocess.PIPE,
@@ -179,6 +210,19 @@ class Run:
             start_new_session=True,
         )
         self.seen = 0
+
+    def queue_jobs(self, count: int) -> None:
+        """`count` jobs queued (as `gpu-mon submit` sends them), all waiting for the busy GPU."""
+        sock = str(self.dir / "queue.sock")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            if time.monotonic() > deadline or self.daemon.poll() is not None:
+                raise RuntimeError(f"no queue socket; the daemon's last line: {self.last_log_line()}")
+            time.sleep(0.05)
+        for i in range(count):
+            req = {"op": "submit", "command": ["true", str(i)], "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}}
+            if not queue_request(sock, req).get("ok"):
+                raise RuntimeError(f"a submit was refused; the daemon's last line: {self.last_log_line()}")
 
     def events(self) -> List[dict]:
         try:
@@ -245,6 +289,9 @@ class Run:
     def close(self) -> None:
         self.opener.kill()
         self.opener.wait()
+        if self.busy is not None:
+            self.busy.kill()
+            self.busy.wait()
         if self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)
             self.daemon.wait(30)
@@ -275,9 +322,10 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--baseline", default="87addb5", help="git ref to measure side by side ('' for none)")
+    ap.add_argument("--jobs", type=int, default=0, help="also with a [queue] of N jobs waiting (0: not)")
     a = ap.parse_args()
-    if a.trials < 1 or a.procs < 0 or a.idle_seconds <= 0:
-        ap.error("--trials must be at least 1, --procs at least 0, --idle-seconds more than 0")
+    if a.trials < 1 or a.procs < 0 or a.idle_seconds <= 0 or a.jobs < 0:
+        ap.error("--trials must be at least 1, --procs and --jobs at least 0, --idle-seconds more than 0")
     missing = missing_prerequisites(a)
     if missing:
         print(f"{ap.prog}: cannot start: {'; '.join(missing)}", file=sys.stderr)
@@ -286,6 +334,11 @@ def main() -> int:
     modes = [
         ("gpu-mon as shipped (inotify + incremental scan, poll 2 s; history on)", "events", {}, ROOT, True),
         ("the same with history off", "nohistory", {}, ROOT, False),
+        *(
+            [(f"the same with {a.jobs} jobs queued (on a second GPU kept busy)", "jobs", {}, ROOT, True)]
+            if a.jobs
+            else []
+        ),
         ("the same, history and [metrics] on, scraped 20 times a second", "metrics", {}, ROOT, True),
     ]
     if a.baseline:
@@ -312,7 +365,7 @@ def main() -> int:
         nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
         for label, name, defaults, code, history in modes:
             port = free_port() if name == "metrics" else 0
-            run = Run(work, name, defaults, code, history, port)
+            run = Run(work, name, defaults, code, history, port, a.jobs if name == "jobs" else 0)
             scraper = Scraper(port) if port else None
             try:
                 samples = []

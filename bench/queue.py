@@ -52,9 +52,7 @@ import pwd
 import resource
 import shutil
 import signal
-import socket
 import statistics
-import struct
 import subprocess
 import tempfile
 import threading
@@ -67,7 +65,6 @@ ROOT = BENCH.parent
 PROG = "bench/queue.py"
 DEFAULT_BASELINE = "b8a2af9"  # the queue before the work on `jobs` with 10 000 jobs queued
 INTERVAL = 2.0  # [defaults] interval_seconds, as shipped
-HEADER = struct.Struct(">I")
 
 HOLDER = r"""
 import os, sys, time
@@ -120,20 +117,12 @@ def _sibling(name: str):
 bg = _sibling("background")
 
 
-def ask(path: str, obj: dict, timeout: float = 60.0) -> dict:
-    """One request on the queue's socket, as the client does (no gpu_mon import: either version)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        body = json.dumps(obj).encode()
-        s.sendall(HEADER.pack(len(body)) + body)
-        buf = b""
-        while len(buf) < HEADER.size or len(buf) < HEADER.size + HEADER.unpack_from(buf)[0]:
-            data = s.recv(1 << 18)
-            if not data:
-                raise SystemExit(f"{PROG}: the daemon closed the connection without an answer")
-            buf += data
-        return json.loads(buf[HEADER.size :])
+def ask(path: str, obj: dict) -> dict:
+    """One request on the queue's socket (either version's)."""
+    try:
+        return bg.queue_request(path, obj)
+    except ConnectionError as err:
+        raise SystemExit(f"{PROG}: {err}") from None
 
 
 def _wait(cond, timeout: float, what: str):
