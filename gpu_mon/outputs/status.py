@@ -16,6 +16,7 @@ from gpu_mon.engine.idleholders import IdleHolder
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.engine.policy import Plan, ignored
 from gpu_mon.queue.runs import JobRun, QueueReport
+from gpu_mon.slurm.view import SlurmReport
 
 
 def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
@@ -26,7 +27,7 @@ def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
 
 def from_report(report: RoundReport) -> dict:
     """The status document of a daemon's round."""
-    return build(
+    doc = build(
         report.config,
         report.plan,  # type: ignore[arg-type]
         report.snapshot,
@@ -39,6 +40,7 @@ def from_report(report: RoundReport) -> dict:
         idle_holders=report.idle_holders,
         queue=report.queue,  # type: ignore[arg-type]
     )
+    return doc if report.slurm is None else with_slurm(doc, report.slurm)  # type: ignore[arg-type]
 
 
 def build(
@@ -113,6 +115,40 @@ def with_queue(doc: dict, queue: QueueReport) -> dict:
         g["job"] = on.get(g.get("uuid") or "")
     doc["queue"] = {"jobs": dict(queue.counts), "running": [_job(r) for r in queue.running]}
     return doc
+
+
+def with_slurm(doc: dict, report: SlurmReport) -> dict:
+    """The document with the Slurm jobs on each GPU (`slurm_jobs`) and `slurm` (calls and their results)."""
+    on: Dict[str, List[dict]] = {}
+    for j in report.jobs:
+        entry = {
+            "id": j.job,
+            "user": j.user,
+            "partition": j.partition,
+            "qos": j.qos,
+            "preemptible": j.preemptible,
+            "doing": j.doing,
+        }
+        for uuid in j.gpus:
+            on.setdefault(uuid, []).append(entry)
+    for g in doc["gpus"]:
+        g["slurm_jobs"] = on.get(g.get("uuid") or "", [])
+    doc["slurm"] = {
+        "unreachable": report.unreachable,
+        "unreachable_episodes": report.episodes,
+        "calls": [{"action": a, "result": r, "count": n} for a, r, n in report.counts],
+    }
+    return doc
+
+
+def slurm_job_words(job: dict) -> str:
+    """`Slurm job 42 alice, partition scavenger, preemptible (requeue done)`."""
+    kind = {True: "preemptible", False: "not preemptible", None: "not described by Slurm yet"}
+    qos = f", QOS {sanitize(str(job['qos']))}" if job.get("qos") else ""
+    doing = f" ({job['doing']})" if job.get("doing") else ""
+    part = sanitize(str(job.get("partition") or "?"))
+    user = sanitize(str(job.get("user")))
+    return f"Slurm job {job['id']} {user}, partition {part}{qos}, {kind[job.get('preemptible')]}{doing}"
 
 
 class _Document:
@@ -249,6 +285,8 @@ def render(doc: dict) -> str:
         lines += _gpu_lines(g, now)
     if not doc.get("gpus"):
         lines.append("No GPUs found.")
+    if (doc.get("slurm") or {}).get("unreachable"):
+        lines += ["", "Slurm: cannot be reached (gpu-mon tries again each round)"]
     if doc.get("queue"):
         lines += ["", queue_line(doc["queue"])]
     lines += _idle_holder_lines(doc, now) + _terminal_lines(doc, now) + _workload_lines(doc, now)
@@ -336,6 +374,7 @@ def _gpu_lines(g: dict, now: float) -> List[str]:
     watched = f"[{g['section']}]" if g["watched"] else "(not watched)"
     lines = [f"{gpu_label(g['index'], g['uuid'])}  {g['name']}  {mem}  {util}  {watched}", f"    {state}"]
     lines += [f"    also: {reason}" for reason in g["reasons"][1:]]
+    lines += [f"    {slurm_job_words(j)}" for j in g.get("slurm_jobs") or []]
     if g["holders"]:
         lines.append("    device holders: " + ", ".join(_who(h) for h in g["holders"]))
     if g["nvml_processes"]:
