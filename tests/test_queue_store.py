@@ -160,3 +160,28 @@ def test_the_pruner_keeps_finished_jobs_for_keep_finished_days_and_at_least_the_
     assert pruner.once() == 1 and [j.id for j in store.all()] == [2, 3]
     section = QueueSection(keep_finished_days=2)
     assert pruner.once() == 1 and [j.id for j in store.all()] == [3]
+
+
+def test_the_counts_a_submit_uses_follow_every_change_and_a_reopen(tmp_path):
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, 0.0)
+    ids = [store.submit(new_job("alice" if i % 3 else "bob"), 1000)[0].id for i in range(9)]
+    store.change(ids[0], J.held)
+    store.change(ids[1], lambda j: J.started(j, ("GPU-0",), 1.0, 1, 1))
+    store.change(ids[2], lambda j: J.cancelled(j, 2.0, "x"))
+    store.change_many([(ids[3], lambda j: J.started(j, ("GPU-1",), 1.0, 1, 1)), (ids[4], J.held)])
+    store.change(ids[3], lambda j: J.ended(J.stopping(j, J.STOP_PREEMPT), 3.0, 143))  # back in the queue
+    store.change(ids[1], lambda j: J.ended(j, 3.0, 0))  # done
+    store.prune(before=10.0)
+
+    def recount(s: Store) -> tuple:
+        jobs = s.all()
+        unfinished = {
+            u: sum(1 for j in jobs if j.user == u and j.state not in J.ENDED) for u in ("alice", "bob")
+        }
+        return unfinished, sum(1 for j in jobs if j.state == J.QUEUED)
+
+    for s in (store, Store.open(path, 0.0)):
+        unfinished, queued = recount(s)
+        assert {u: s.unfinished(u) for u in unfinished} == unfinished == {"alice": 4, "bob": 3}
+        assert s.submit(new_job("carol"), 1000)[1] == queued == 5

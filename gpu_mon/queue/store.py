@@ -90,8 +90,19 @@ class Store:
         self.lock = threading.Lock()
         self.jobs: Dict[int, Job] = {}
         self.version = 0  # raised on every change (the daemon re-places jobs when it moves)
+        # Kept as jobs change, so that a submit never counts through a long queue: unfinished jobs per
+        # user, and queued jobs.
+        self._unfinished: Dict[str, int] = {}
+        self._queued = 0
         for job_id, text in conn.execute("SELECT id, data FROM jobs ORDER BY id"):
             self.jobs[job_id] = _from_row(job_id, text)
+            self._tally(self.jobs[job_id], 1)
+
+    def _tally(self, job: Job, sign: int) -> None:
+        if job.state not in J.ENDED:
+            self._unfinished[job.user] = self._unfinished.get(job.user, 0) + sign
+        if job.state == J.QUEUED:
+            self._queued += sign
 
     @classmethod
     def open(cls, path: str, now: float) -> Store:
@@ -125,7 +136,7 @@ class Store:
     def unfinished(self, user: str) -> int:
         """How many of this user's jobs have not ended."""
         with self.lock:
-            return sum(1 for j in self.jobs.values() if j.user == user and j.state not in J.ENDED)
+            return self._unfinished.get(user, 0)
 
     # ------------------------------------------------------------------ writes (committed before they return)
 
@@ -133,7 +144,7 @@ class Store:
         """Add a job (its id is given here); return it and how many queued jobs are ahead of it.
         Refused when the user already has `max_unfinished` jobs that have not ended."""
         with self.lock:
-            mine = sum(1 for j in self.jobs.values() if j.user == job.user and j.state not in J.ENDED)
+            mine = self._unfinished.get(job.user, 0)
             if mine >= max_unfinished:
                 raise Refused(f"{job.user} already has {mine} unfinished jobs (limit {max_unfinished})")
             self.conn.execute("BEGIN IMMEDIATE")
@@ -147,8 +158,9 @@ class Store:
                 self.conn.execute("ROLLBACK")
                 raise
             job = dataclasses.replace(job, id=int(cur.lastrowid))
-            ahead = sum(1 for j in self.jobs.values() if j.state == J.QUEUED)
+            ahead = self._queued
             self.jobs[job.id] = job
+            self._tally(job, 1)
             self.version += 1
             return job, ahead
 
@@ -207,6 +219,8 @@ class Store:
                 self.conn.execute("ROLLBACK")
                 raise
             for j in changed:
+                self._tally(self.jobs[j.id], -1)
                 self.jobs[j.id] = j
+                self._tally(j, 1)
             self.version += 1
             return out
