@@ -216,11 +216,12 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
 
 
 def _print_json(jobs: List[dict]) -> None:
-    """`{"jobs": [...]}`, a job a line (json's own indenting is slow for a long queue)."""
-    encoder = json.JSONEncoder()
+    """`{"jobs": [...]}`, a job a line. One encoding of the whole list (json's own indenting is slow for a
+    long queue), then a new line before each job: `}, {"id": ` with bare quotes is only ever found between
+    two jobs (inside a string every quote is escaped, and a job holds no other object)."""
     for j in jobs:
         j.pop("gpu_indices", None)
-    body = ",\n  ".join(map(encoder.encode, jobs))
+    body = json.dumps(jobs)[1:-1].replace('}, {"id": ', '},\n  {"id": ')
     sys.stdout.write('{"jobs": [\n  ' + body + "\n]}\n" if jobs else '{"jobs": []}\n')
 
 
