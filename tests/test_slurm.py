@@ -355,3 +355,22 @@ def test_slurmctld_stopped_one_line_no_crash_and_the_action_once_it_is_back(slur
         _stop(opener)
     assert len(d.wait_log(r"slurm: cannot reach Slurm")) == 1
     assert not [e for e in events(log) if e[0] == "usr1"]
+
+
+def test_check_verifies_the_commands_the_partitions_and_says_what_it_cannot(slurm, sim, tmp_path):
+    def check(section: str) -> subprocess.CompletedProcess:
+        path = tmp_path / "check.conf"
+        path.write_text(f"[defaults]\nstate_file = {tmp_path / 'state.json'}\n" + section)
+        os.chmod(path, 0o600)
+        argv = [sys.executable, "-m", "gpu_mon", "--config", str(path), "--sim", str(sim.path), "check"]
+        return subprocess.run(argv, capture_output=True, text=True, env=slurm.env, timeout=60)
+
+    good = check(_section())
+    assert good.returncode == 0, good.stderr
+    bad = check(_section(preemptible_partitions="scavenger, nosuch", scancel="/nonexistent/scancel"))
+    assert bad.returncode == 2
+    assert "[slurm] preemptible_partitions: Slurm has no partition 'nosuch'" in bad.stderr
+    assert "[slurm] scancel: '/nonexistent/scancel' is not found" in bad.stderr
+    assert "scavenger'" not in bad.stderr
+    qos = check(_section(preemptible_qos="low"))  # no accounting here: said, not an error
+    assert qos.returncode == 0 and "[slurm] preemptible_qos: cannot list Slurm's QOS" in qos.stderr

@@ -83,6 +83,19 @@ def metrics_problems(config: Config) -> List[str]:
     return problems
 
 
+def slurm_problems(config: Config) -> Tuple[List[str], List[str]]:
+    """[slurm] on this host: (errors, warnings). Its commands must exist and Slurm answer; the partitions
+    (and, with accounting, the QOS) it names must exist."""
+    s = config.slurm
+    if s is None:
+        return [], []
+    from gpu_mon.slurm.control import probe
+
+    found = probe(s.scontrol, s.scancel, s.preemptible_partitions, s.preemptible_qos, s.timeout_seconds)
+    said = [(f"{config.path}:{s.line}: [slurm] {key}: {what}", error) for key, what, error in found]
+    return [t for t, e in said if e], [t for t, e in said if not e]
+
+
 def _state_file_problem(config: Config, errors: List[str], warnings: List[str]) -> None:
     """A state_file whose directory cannot be made is an error; one only root may write, a warning for a
     plain user checking root's config."""
@@ -131,6 +144,9 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
                     f"GPU {plan.index_of.get(uuid)} ({uuid}): {why}: it will always count as busy"
                 )
     errors.extend(metrics_problems(config))
+    slurm_errors, slurm_warnings = slurm_problems(config)
+    errors.extend(slurm_errors)
+    warnings.extend(slurm_warnings)
     _state_file_problem(config, errors, warnings)
     for w in warnings:
         say(f"warning: {w}", 4)

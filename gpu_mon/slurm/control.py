@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -185,3 +186,55 @@ class Control:
         self.results.append(
             Result(step.call, result, step.issued, self.clock(), out, error, "; ".join(step.notes))
         )
+
+
+def _found(program: str) -> bool:
+    if "/" in program:
+        return os.path.isfile(program) and os.access(program, os.X_OK)
+    return shutil.which(program) is not None
+
+
+def _ask(argv: List[str], timeout: float) -> Tuple[int, str]:
+    """Run one command now (for `check`): (exit status, its output, or why it failed)."""
+    try:
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 1, f"no answer within {timeout:g} s"
+    except OSError as err:
+        return 127, err.strerror or str(err)
+    return p.returncode, (p.stdout if p.returncode == 0 else _one_line(p.stderr or p.stdout))
+
+
+def probe(
+    scontrol: str, scancel: str, partitions: Tuple[str, ...], qos: Tuple[str, ...], timeout: float
+) -> List[Tuple[str, str, bool]]:
+    """What `check` finds wrong with these settings on this host: (key, what, whether it is an error rather
+    than a warning). The commands must exist, slurmctld answer, the partitions exist; QOS are checked
+    where `sacctmgr` (accounting) answers, else a warning says they could not be."""
+    out = [(key, f"{prog!r} is not found (install slurm-client, or give its path)", True)
+           for key, prog in (("scontrol", scontrol), ("scancel", scancel)) if not _found(prog)]  # fmt: skip
+    if any(key == "scontrol" for key, _w, _e in out):
+        return out
+    code, text = _ask([scontrol, "ping"], timeout)
+    if code != 0 or " is UP" not in text:
+        out.append(("scontrol", f"Slurm does not answer `scontrol ping`: {_one_line(text)}", True))
+        return out
+    for name in partitions:
+        code, text = _ask([scontrol, "show", "partition", "-o", name], timeout)
+        if code != 0 or f"PartitionName={name} " not in text + " ":
+            out.append(("preemptible_partitions", f"Slurm has no partition {name!r}", True))
+    if qos:
+        sacctmgr = os.path.join(os.path.dirname(scontrol), "sacctmgr") if "/" in scontrol else "sacctmgr"
+        code, text = (
+            _ask([sacctmgr, "-n", "-P", "show", "qos", "format=name"], timeout)
+            if _found(sacctmgr)
+            else (1, "")
+        )
+        if code != 0:
+            out.append(
+                ("preemptible_qos", "cannot list Slurm's QOS (sacctmgr: no accounting?): not checked", False)
+            )
+        else:
+            known = set(text.split())
+            out += [("preemptible_qos", f"Slurm has no QOS {q!r}", True) for q in qos if q not in known]
+    return out
