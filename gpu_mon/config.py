@@ -217,6 +217,7 @@ class QueueSection:
     preempt_workloads: bool = True
     database: str = "/var/lib/gpu_mon/queue.sqlite"
     keep_finished_days: float = 7.0  # a finished job leaves the database after this long (0: never)
+    launcher: str = "auto"  # auto (transient units where systemd runs the machine), systemd, direct
     line: int = 0
 
 
@@ -952,6 +953,7 @@ def _queue_section(sec: _Section, base: str, warn: List[str]) -> QueueSection:
         "start_delay_seconds": _optional(_seconds),
         "preempt_workloads": _bool,
         "database": _path(base),
+        "launcher": _choice("auto", "systemd", "direct"),
         "keep_finished_days": _seconds,
     }
     values = sec.parse(schema)

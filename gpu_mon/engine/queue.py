@@ -8,6 +8,11 @@ ends it as done, failed, timeout, cancelled, preempted or back in the queue. A d
 the jobs an earlier one was running: their processes went with that daemon (each leader stops its
 workload when the daemon dies), so they go back to the queue, once their old leader is gone (never two
 runs of a job at once).
+
+Where systemd runs the machine (`[queue] launcher`, workloads/transient.py), a job is a transient service
+unit of its own, started through `systemd-run` under the leader: outside gpu-mon's sandbox, stopped through
+its unit's cgroup, and stopped by systemd with gpu-mon's own unit (which starts again only once the job's
+unit is gone). Elsewhere it is the leader's child, as a workload is.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from gpu_mon.config import Config, QueueSection
 from gpu_mon.engine import words
 from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
 from gpu_mon.engine.lock import DaemonLock
+from gpu_mon.engine.workloads import transient
 from gpu_mon.engine.workloads.stopping import StopRule
 from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
+from gpu_mon.engine.workloads.transient import Unit
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import placement
 from gpu_mon.queue.jobs import Job
@@ -69,6 +76,9 @@ class Queue:
             else config.defaults.start_delay_seconds
         )
         self.supervisor, self.poke, self.wall = supervisor, poke, wall
+        # Transient units where systemd runs the machine (LauncherError where `systemd` cannot be had)
+        self.systemd = transient.choose(self.q.launcher, os.geteuid() == 0)
+        self.bind_to = transient.own_service() if self.systemd else None
         # One daemon per queue: two that shared a database would run its jobs twice.
         self.lock = DaemonLock(self.q.database)
         self.lock.acquire()
@@ -83,6 +93,7 @@ class Queue:
         self.pruner = Pruner(self.store, lambda: self.q, wall)  # finished jobs, after keep_finished_days
         self.exits: List[Exited] = []
         self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
+        self.orphan_units: Dict[int, Unit] = {}  # job -> its unit that an old daemon started, still running
         self.next_wake: Optional[float] = None
         self.dirty = True
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
@@ -106,12 +117,18 @@ class Queue:
         self.pruner.start()
         queued = sum(1 for j in self.store.all() if j.state == J.QUEUED)
         log.info("queue: listening on %s; %d job(s) queued (%s)", self.q.socket, queued, self.q.database)
+        if self.systemd:
+            bound = f", stopped with {self.bind_to}" if self.bind_to else ""
+            log.info("queue: jobs run as transient units in %s%s", transient.SLICE, bound)
 
     def _adopt(self) -> None:
         for job in self.store.all():
             if job.state not in J.LIVE:
                 continue
-            if _alive(job.leader_pid, job.leader_ticks):
+            alive = _alive(job.leader_pid, job.leader_ticks)
+            if self.systemd and self._unit_left(job, alive):
+                alive = True
+            if alive:
                 self.orphans[job.id] = (job.leader_pid, job.leader_ticks)
                 self.store.change(
                     job.id, lambda j: j if j.state == J.STOPPING else J.stopping(j, J.STOP_RESTART)
@@ -123,6 +140,19 @@ class Queue:
                     log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
                 elif new is not None:
                     log.info("queue: job %d was stopping when gpu-mon stopped: %s", job.id, new.state)
+
+    def _unit_left(self, job: Job, leader_alive: bool) -> bool:
+        """Whether the unit of the job's last run still has processes (it is then waited for). Without its
+        leader nobody stops it: it is killed here."""
+        name = transient.unit_name(job.id, job.restarts)
+        unit = Unit(name, transient.unit_group(name))
+        if not unit.populated():
+            return False
+        self.orphan_units[job.id] = unit
+        if not leader_alive:
+            log.warning("queue: job %d: %s still runs without gpu-mon; killing it", job.id, unit.name)
+            unit.kill()
+        return True
 
     def requeue_running(self) -> None:
         """Every workload is being stopped (gpu-mon stops, or an internal error): the running jobs go
@@ -315,7 +345,7 @@ class Queue:
         try:
             w = self.supervisor.launch(
                 Instance(key=job_key(job.id), process=job_key(job.id), gpus=s.gpus),
-                _launch(job, s.gpus),
+                self._launch(job, s.gpus),
                 f"job {job.id}",
                 now,
                 StopRule(signal=job.stop_signal, grace=job.grace, urgent_grace=job.grace),
@@ -361,11 +391,30 @@ class Queue:
             )
         self.exits = []
 
+    def _launch(self, job: Job, gpus: Tuple[str, ...]) -> Launch:
+        """The job run directly, or (systemd) `systemd-run` starting it as a unit of its own."""
+        direct = _launch(job, gpus)
+        if not self.systemd:
+            return direct
+        name = transient.unit_name(job.id, job.restarts)
+        env, dropped = transient.environment(direct.env)
+        if dropped:
+            names = sanitize(", ".join(sorted(dropped)), limit=200)
+            log.info("queue: job %d: not passed to its unit (systemd refuses them): %s", job.id, names)
+        what = f"gpu-mon job {job.id} of {job.user} (restart {job.restarts})"
+        argv = transient.command(
+            name, what, direct.argv, env, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to
+        )
+        unit = Unit(name, transient.unit_group(name))
+        return Launch(argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit)
+
     def _orphans_gone(self) -> None:
         gone = [i for i, (pid, ticks) in self.orphans.items() if not _alive(pid, ticks)]
+        gone = [i for i in gone if i not in self.orphan_units or not self.orphan_units[i].populated()]
         wall = self.wall()
         for job_id in gone:
             del self.orphans[job_id]
+            self.orphan_units.pop(job_id, None)
             self.force_place = True
             new = self.store.change(
                 job_id, lambda j, w=wall: J.run_lost(j, w) if j.state == J.STOPPING else None
@@ -388,6 +437,7 @@ def _alive(pid: int, ticks: int) -> bool:
 
 
 def _launch(job: Job, gpus: Tuple[str, ...]) -> Launch:
+    """The job's command as the leader runs it: as the user, through the wrapper."""
     env = dict(job.env)
     env.update(
         {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 from typing import List, Optional, Tuple
 
 from gpu_mon.api import procfs
@@ -53,6 +54,12 @@ def _cgroup2_mount(path: str, proc: str) -> Optional[Tuple[str, str]]:
         if root == "/" or path == root or path.startswith(root.rstrip("/") + "/"):
             return mountpoint, root
     return None
+
+
+def root_mount(proc: str = procfs.PROC) -> Optional[str]:
+    """Where the whole cgroup v2 hierarchy is mounted (its root, as systemd sees it), or None."""
+    mount = _cgroup2_mount("/", proc)
+    return mount[0] if mount is not None and mount[1] == "/" else None
 
 
 def _unescape(field: str) -> str:
@@ -139,6 +146,36 @@ def kill(path: str) -> bool:
         return True
     except OSError as err:
         return err.errno == errno.ENOENT  # already removed: nothing left to kill
+
+
+def procs(path: str) -> List[int]:
+    """The processes in the group now (empty when it is gone or cannot be read)."""
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def signal_all(path: str, sig: int) -> int:
+    """Send `sig` to every process in the group; return how many got it. Each is held by a pidfd first and
+    signalled only if it is still in the group then (so a pid reused meanwhile is never signalled)."""
+    fds = {}
+    for pid in procs(path):
+        with contextlib.suppress(OSError):
+            fds[pid] = os.pidfd_open(pid)
+    sent = 0
+    try:
+        still = set(procs(path))
+        for pid, fd in fds.items():
+            if pid in still:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(fd, sig)
+                    sent += 1
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sent
 
 
 def populated(path: str) -> bool:

@@ -19,6 +19,11 @@ status fd named in the spec, one line each: `started PID`, `exit STATUS` (the co
 ends), `error MESSAGE`. The exit status of the leader is the workload's (128 + signal when killed; 127/126
 when the command cannot be run).
 
+A transient unit (`unit_cgroup` in the spec, transient.py): the command is `systemd-run --wait`, and the
+workload's processes are the unit's, not ours. Every step of a stop then goes to the processes in the unit's
+group (never to the client, whose exit is the unit's end), the SIGKILL is the group's `cgroup.kill`, and
+the leader stays until the group is empty.
+
 It imports only the standard library, gpu_mon.api.procfs and linux.py, so it starts in tens of milliseconds.
 """
 
@@ -67,6 +72,8 @@ class Leader:
         self.stop_signal = int(spec.get("stop_signal", signal.SIGTERM))
         self.term_pending = False  # the stop signal was not SIGTERM: SIGTERM comes when its grace is over
         self.cgroup: Optional[str] = spec.get("cgroup")
+        self.unit: Optional[str] = spec.get("unit_cgroup")
+        self.unit_kills = 0  # SIGKILL rounds on a unit's group that is still populated
         self.child: Optional[subprocess.Popen] = None
         self.main_status: Optional[int] = None
         self.deadline: Optional[float] = None
@@ -116,6 +123,10 @@ class Leader:
             self.deadline = time.monotonic() + self.stop_timeout + backstop
             if not daemon_alive and self.main_status is None and self.stop_signal != signal.SIGTERM:
                 self.term_pending = True
+                if self.unit:
+                    cgroups.signal_all(self.unit, self.stop_signal)
+                    cgroups.signal_all(self.unit, signal.SIGCONT)
+                    return
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(os.getpid(), self.stop_signal)
                     os.killpg(os.getpid(), signal.SIGCONT)
@@ -125,7 +136,11 @@ class Leader:
         self.term_all()
 
     def term_all(self) -> None:
-        """SIGTERM and SIGCONT to every descendant."""
+        """SIGTERM and SIGCONT to every descendant (a unit's: every process in its group)."""
+        if self.unit:
+            cgroups.signal_all(self.unit, signal.SIGTERM)
+            cgroups.signal_all(self.unit, signal.SIGCONT)
+            return
         me = os.getpid()
         linux.kill_tree(me, signal.SIGTERM)
         linux.kill_tree(me, signal.SIGCONT)
@@ -142,9 +157,18 @@ class Leader:
     def kill_all(self) -> None:
         """The stop timeout is over: SIGKILL everything (with a cgroup, the leader goes with it)."""
         self.killed = True
+        if self.unit and self.unit_waits():
+            self.unit_kills += 1
+            cgroups.kill(self.unit)
+            return  # its client reports the end, and exits
         if self.cgroup and cgroups.kill(self.cgroup):
             return
         linux.kill_until_gone(os.getpid())
+
+    def unit_waits(self) -> bool:
+        """Whether a unit's group still has processes to wait for (not after 5 s of SIGKILLs: a group that
+        cannot be read counts as populated)."""
+        return bool(self.unit) and cgroups.populated(str(self.unit)) and self.unit_kills < 25
 
     def reap(self) -> bool:
         """Reap every exited child; return False once we have no children left."""
@@ -167,11 +191,11 @@ class Leader:
             if self.main_status is not None and (self.deadline is None or self.term_pending):
                 self.term_pending = False
                 self.begin_stop()  # the command ended: its leftovers must not keep the GPU
-            if not have_children:
+            if not have_children and not self.unit_waits():
                 break
-            timeout: Optional[float] = None
+            timeout: Optional[float] = None if have_children else 0.2
             if self.deadline is not None:
-                timeout = self.deadline - time.monotonic()
+                timeout = min(timeout or 1e9, self.deadline - time.monotonic())
                 if timeout <= 0:
                     step_was_term = self.term_pending
                     self.overdue()

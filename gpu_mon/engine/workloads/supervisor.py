@@ -35,6 +35,7 @@ from gpu_mon.config import ProcessSection
 from gpu_mon.engine.decisions import Instance
 from gpu_mon.engine.workloads import cgroups, linux
 from gpu_mon.engine.workloads.stopping import StopRule, signal_name
+from gpu_mon.engine.workloads.transient import Unit
 
 log = logging.getLogger("gpu_mon")
 
@@ -68,6 +69,8 @@ class Launch:
     log: Optional[str] = None  # append its output here; None: relay it to our log, tagged
     # (stdin, stdout, stderr) fds it inherits instead (`gpu-mon watch`: the terminal's); None: as above
     stdio: Optional[Tuple[int, int, int]] = None
+    # argv is `systemd-run --wait` starting this unit (transient.py): stops go to the unit's processes
+    unit: Optional[Unit] = None
 
 
 @dataclass
@@ -97,6 +100,8 @@ class Workload:
     detail: str = ""
     out_buf: bytes = b""
     status_buf: bytes = b""
+    unit: Optional[Unit] = None  # a transient unit runs the command (transient.py)
+    unit_pending: Optional[int] = None  # a signal for the unit, whose group does not exist yet
 
     @property
     def pid(self) -> int:
@@ -223,6 +228,7 @@ class Supervisor:
             "stop_timeout_seconds": rule.grace,
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
             "cgroup": self._contain(popen.pid, label),
+            "unit_cgroup": launch.unit.group if launch.unit is not None else None,
         }
         _send_spec(popen, spec)
         w = Workload(
@@ -235,6 +241,7 @@ class Supervisor:
             started_at=now,
             cgroup=spec["cgroup"],
             rule=rule,
+            unit=launch.unit,
         )
         self._register(w)
         return w
@@ -290,8 +297,26 @@ class Supervisor:
         sig, wait = w.steps.pop(0)
         w.sent.append(sig)
         w.step_at, w.kill_at = now, now + wait
+        if w.unit is not None:
+            self._signal_unit(w, sig)
+            return
         _killpg(w.pid, sig)
         _killpg(w.pid, signal.SIGCONT)  # a stopped process sees its signal only once it runs
+
+    def _signal_unit(self, w: Workload, sig: int) -> None:
+        """A step of a transient unit's stop: to every process in the unit (never to its systemd-run
+        client, whose exit reports the unit's end). Until systemd has made the unit's group, again at each
+        tick; where no group can be read, through `systemctl kill`."""
+        assert w.unit is not None
+        w.unit_pending = None
+        if w.unit.signal(sig):
+            w.unit.signal(signal.SIGCONT)
+        elif w.unit.group is not None:
+            w.unit_pending = sig
+        else:
+            helper = w.unit.systemctl_kill(sig)
+            if helper is not None:
+                self.helpers[helper.pid] = helper
 
     def stop_all(self, reason: str, now: float) -> None:
         """Stop every workload."""
@@ -305,10 +330,14 @@ class Supervisor:
     def tick(self, now: float) -> None:
         """Escalate overdue stops to SIGKILL (and again each second until the leader is gone)."""
         for w in self.workloads.values():
+            if w.unit_pending is not None and not w.killed:
+                self._signal_unit(w, w.unit_pending)
             if w.kill_at is None or now < w.kill_at:
                 continue
             if w.steps and not w.killed:
                 self._next_step(w, now)
+                continue
+            if w.unit is not None and self._kill_unit(w, now):
                 continue
             if not w.killed:
                 log.warning(
@@ -329,6 +358,29 @@ class Supervisor:
         if self.sweeping:
             self.sweep_orphans()
 
+    def _kill_unit(self, w: Workload, now: float) -> bool:
+        """The SIGKILL step of a transient unit: its group's cgroup.kill (its systemd-run client then
+        reports the end). False when the unit is gone, or has outlasted it for 5 s: then the client too."""
+        assert w.unit is not None
+        if not (w.unit.group is None or w.unit.populated()) or now > (w.step_at or now) + w.rule.grace + 5:
+            return False
+        if not w.killed:
+            log.warning(
+                "%s[%d] still running %.1f s after %s; killing every process of %s",
+                w.label,
+                w.pid,
+                now - (w.step_at or now),
+                signal_name(w.sent[-1]) if w.sent else "SIGTERM",
+                w.unit.name,
+            )
+        w.killed, w.unit_pending = True, None
+        if not w.unit.kill():
+            helper = w.unit.systemctl_kill(signal.SIGKILL)
+            if helper is not None:
+                self.helpers[helper.pid] = helper
+        w.kill_at = now + 1.0
+        return True
+
     def drain(self) -> None:
         """Kill and remove the cgroups of ended workloads until they are empty."""
         for path in list(self.draining):
@@ -344,6 +396,8 @@ class Supervisor:
     def next_deadline(self, now: float) -> Optional[float]:
         """When `tick` next has something to do (monotonic), or None."""
         kill = self.next_kill()
+        if any(w.unit_pending is not None for w in self.workloads.values()):
+            kill = min(kill, now + 0.05) if kill is not None else now + 0.05
         if self.draining or self.sweeping:
             kill = min(kill, now + 0.05) if kill is not None else now + 0.05
         return kill
@@ -365,6 +419,8 @@ class Supervisor:
         returncode = 128 - code if code < 0 else code
         if code == -signal.SIGKILL and w.exit_status is not None:
             returncode = _status_code(w.exit_status)  # cgroup.kill took the leader after the command ended
+        if w.unit is not None:
+            returncode = self._unit_ended(w, returncode)
         if w.stopping and w.stop_sent_at is not None:
             log.info("%s[%d] stopped %s", w.label, w.pid, _how_stopped(w, now - w.stop_sent_at))
         ex = Exited(
@@ -377,6 +433,16 @@ class Supervisor:
         )
         self.exits.append(ex)
         return ex
+
+    @staticmethod
+    def _unit_ended(w: Workload, client: int) -> int:
+        """Nothing of a transient unit outlives its client (which ended with the unit, unless it was killed);
+        the job's own exit status."""
+        assert w.unit is not None
+        if w.unit.populated():
+            w.unit.kill()
+        w.unit.done()
+        return w.unit.returncode(client)
 
     def _end_containment(self, w: Workload, code: int) -> None:
         """Whatever the leader left behind (it was killed, or escaped processes raced it) dies now."""
@@ -424,6 +490,8 @@ class Supervisor:
         pid = w.pid  # the workload's session and process group id, as in every other log line about it
         for raw in lines:
             text = raw.decode("utf-8", "backslashreplace").rstrip("\r")
+            if w.unit is not None and w.unit.note(text):
+                continue
             log.info("%s[%d]: %s", w.label, pid, sanitize(text, limit=_MAX_LINE))
 
     def _close_fd(self, w: Workload, name: str) -> None:
@@ -511,8 +579,13 @@ class Supervisor:
         return out
 
     def sessions(self) -> Dict[int, str]:
-        """Session ids of our workloads (= leader pids) -> instance key."""
-        return {w.pid: k for k, w in self.workloads.items()}
+        """Session ids of our workloads (= leader pids) -> instance key; and the processes in the transient
+        units that run jobs (not in a leader's session, nor its descendants)."""
+        out = {w.pid: k for k, w in self.workloads.items()}
+        for k, w in self.workloads.items():
+            if w.unit is not None:
+                out.update((pid, k) for pid in w.unit.pids())
+        return out
 
 
 def _runnable(section: ProcessSection, switch_user: bool) -> ProcessSection:

@@ -1,0 +1,226 @@
+"""Workloads as systemd transient service units: where systemd runs the machine, a queued job is started by
+systemd itself (`systemd-run --wait`), so it runs outside gpu-mon's own sandbox and cgroup, as an ordinary
+service of its user, in a unit of its own: `gpu-mon-job-17-r0.service` in `gpu_mon_jobs.slice`.
+
+The `systemd-run` client runs under a leader like any workload (leader.py) and stays there until the unit
+has ended: its exit is the workload's exit. The unit's processes are not our descendants, so a stop reaches
+them through the unit's cgroup: each signal goes to every process listed in its `cgroup.procs` (through
+pidfds, and only to those still in the group once their pidfd is held), the SIGKILL is its `cgroup.kill`;
+where the group cannot be read, `systemctl kill` does it.
+
+`systemd-run --wait` exits 0 for a unit whose main process SIGTERM ended (systemd counts that as a clean
+exit) and 255 for one any other signal killed; the line it prints as the unit ends
+(`Main processes terminated with: code=killed/status=TERM`) has the real status, and is what counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+from typing import Dict, List, Optional, Tuple
+
+from gpu_mon.api import procfs
+from gpu_mon.engine.workloads import cgroups
+
+log = logging.getLogger("gpu_mon")
+
+SLICE = "gpu_mon_jobs.slice"
+SYSTEMD_DIR = "/run/systemd/system"  # exists where systemd is PID 1 (sd_booted)
+LAUNCHERS = ("auto", "systemd", "direct")
+# What systemd-run prints about the unit (info lines it writes on stderr, not the job's output, which goes
+# to the job's file): swallowed, the end's status read.
+_INFO = (
+    "Running as unit: ",
+    "Finished with result: ",
+    "Main processes terminated with: ",
+    "Service runtime: ",
+    "CPU time consumed: ",
+    "IP traffic received: ",
+    "IP traffic sent: ",
+    "IO bytes read: ",
+    "IO bytes written: ",
+)
+_ENDED = re.compile(r"^Main processes terminated with: code=(\w+)/status=(\w+)$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+CLIENT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+_CANNOT_RUN = 126  # as the leader's: the command could not be started at all
+
+
+class LauncherError(Exception):
+    """`launcher = systemd` where systemd-run cannot be used; str() is one line."""
+
+
+def systemd_runs(run_dir: str = SYSTEMD_DIR) -> bool:
+    """Whether systemd runs this machine and its `systemd-run` is installed."""
+    return os.path.isdir(run_dir) and shutil.which("systemd-run") is not None
+
+
+def choose(launcher: str, root: bool, run_dir: str = SYSTEMD_DIR) -> bool:
+    """Whether jobs run as transient units; LauncherError for `systemd` where that cannot be."""
+    if launcher == "direct":
+        return False
+    usable = systemd_runs(run_dir)
+    if launcher == "systemd" and not (usable and root):
+        why = "gpu-mon is not running as root" if usable else "systemd does not run this machine"
+        raise LauncherError(f"[queue] launcher = systemd, but {why}")
+    return usable and root
+
+
+def own_service(proc: str = procfs.PROC) -> Optional[str]:
+    """The service unit this process is the main process of (`gpu-mon.service`: started by systemd, in the
+    unit's group), or None (started from a shell, or by another service's process)."""
+    if os.getppid() != 1:
+        return None
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    path = next((line[3:] for line in lines if line.startswith("0::")), "")
+    if not path:
+        path = next((line.split(":", 2)[2] for line in lines if ":name=systemd:" in line), "")
+    units = [part for part in path.split("/") if part.endswith(".service")]
+    return units[-1] if units else None
+
+
+def unit_name(job_id: int, restarts: int) -> str:
+    """One run's unit: a new run never meets an old one still stopping."""
+    return f"gpu-mon-job-{job_id}-r{restarts}.service"
+
+
+def slice_path(name: str) -> str:
+    """The cgroup path of a slice: `a-b.slice` is `a.slice/a-b.slice`."""
+    stem = name[: -len(".slice")]
+    parts = stem.split("-")
+    return "/".join("-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
+
+
+def unit_group(unit: str, proc: str = procfs.PROC) -> Optional[str]:
+    """The directory of the unit's cgroup (v2, as systemd makes it), or None where it cannot be reached."""
+    mount = cgroups.root_mount(proc)
+    return os.path.join(mount, slice_path(SLICE), unit) if mount else None
+
+
+def _escape(arg: str) -> str:
+    """systemd expands $NAME and ${NAME} in a unit's command line; `$$` is a plain `$`."""
+    return arg.replace("$", "$$")
+
+
+def environment(env: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
+    """The variables systemd accepts for a unit, and the names of those it would refuse (a shell's exported
+    functions, `BASH_FUNC_x%%`, or control characters in a value)."""
+    kept, dropped = {}, []
+    for name, value in env.items():
+        bad = any((ord(c) < 32 and c not in "\t\n") or ord(c) == 127 for c in value)
+        if _ENV_NAME.match(name) and not bad:
+            kept[name] = value
+        else:
+            dropped.append(name)
+    return kept, dropped
+
+
+def command(
+    unit: str,
+    description: str,
+    argv: Tuple[str, ...],
+    env: Dict[str, str],
+    uid: int,
+    gid: int,
+    stop_signal: int,
+    grace: float,
+    bind_to: Optional[str],
+) -> List[str]:
+    """The `systemd-run` command line that runs `argv` as a transient service of its user."""
+    out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
+    out += ["--service-type=exec", "--collect", f"--slice={SLICE}", "--working-directory=/"]
+    out += [f"--description={description}"]
+    # When systemd stops it by itself (gpu-mon died): the job's stop signal and grace, then SIGKILL.
+    out += ["-p", "KillMode=control-group", "-p", f"KillSignal={int(stop_signal)}"]
+    out += ["-p", f"TimeoutStopSec={max(1, int(grace + 1.999))}", "-p", "SendSIGKILL=yes"]
+    if bind_to:
+        # A stop of gpu-mon's unit (and its death: systemd restarts it) stops the job, never a restart
+        # (BindsTo= would restart the job itself, behind gpu-mon's back). Before=: gpu-mon stops first (it
+        # stops its jobs and requeues them) and starts again only once the job's unit is gone.
+        out += ["-p", f"StopPropagatedFrom={bind_to}", "-p", f"Before={bind_to}"]
+    out += [f"--setenv={k}={v}" for k, v in env.items()]
+    out += ["--", *[_escape(a) for a in argv]]
+    return out
+
+
+class Unit:
+    """One running job's unit, as its workload's stop and end see it."""
+
+    def __init__(self, name: str, group: Optional[str]) -> None:
+        self.name = name
+        self.group = group
+        self.status: Optional[int] = None  # the main process's end, as systemd-run reported it
+        self.helper: Optional[subprocess.Popen] = None  # the last `systemctl kill`
+
+    def pids(self) -> List[int]:
+        """The processes in the unit now (empty when it has none, or cannot be read)."""
+        return cgroups.procs(self.group) if self.group else []
+
+    def signal(self, sig: int) -> bool:
+        """Send `sig` to every process in the unit; False when the group could not be read (nothing was
+        sent), so that `systemctl kill` is tried instead."""
+        if self.group and os.path.isdir(self.group):
+            cgroups.signal_all(self.group, sig)
+            return True
+        return False
+
+    def kill(self) -> bool:
+        """SIGKILL every process in the unit; False when its group could not be reached."""
+        return bool(self.group) and os.path.isdir(str(self.group)) and cgroups.kill(str(self.group))
+
+    def populated(self) -> bool:
+        """Whether any process of the unit is left (False once its group is gone)."""
+        return bool(self.group) and cgroups.populated(str(self.group))
+
+    def systemctl_kill(self, sig: int) -> Optional[subprocess.Popen]:
+        """The slow way (a process spawned, not waited for here): where the unit's group cannot be read."""
+        if self.helper is not None and self.helper.poll() is None:
+            return None  # the last one is still at it
+        try:
+            self.helper = subprocess.Popen(
+                ["systemctl", "kill", f"--signal={int(sig)}", "--kill-whom=all", self.name],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:
+            return None
+        return self.helper
+
+    def done(self) -> None:
+        """Reap the last `systemctl kill`, if it has ended."""
+        if self.helper is not None:
+            self.helper.poll()
+
+    def note(self, line: str) -> bool:
+        """A line of systemd-run's output: True when it is systemd-run's own (not to be relayed)."""
+        m = _ENDED.match(line)
+        if m:
+            self.status = _status(m.group(1), m.group(2))
+        return line.startswith(_INFO)
+
+    def returncode(self, client: int) -> int:
+        """The job's exit status: its main process's, as systemd-run reported it; when it reported none,
+        the unit never ran (126), or the client ended as it did."""
+        if self.status is not None:
+            return self.status
+        return _CANNOT_RUN if client != 0 else 0
+
+
+def _status(code: str, value: str) -> int:
+    if code == "exited" and value.isdigit():
+        return int(value)
+    name = value if value.startswith("SIG") else f"SIG{value}"
+    try:
+        return 128 + int(signal.Signals[name])
+    except KeyError:
+        return 128 + int(value) if value.isdigit() else 1

@@ -1,0 +1,254 @@
+"""Queued jobs under a real systemd (tests/nspawn.py, as test_under_systemd.py boots it, with the shipped
+gpu-mon.service): each job runs as a transient service unit of its own, outside the service's sandbox. A user
+made in the container submits with `gpu-mon submit` (the checkout's package, the system's Python, as that
+user); the job writes the user's home and the container's real /tmp, is stopped through its unit's group
+when someone else opens its GPU (with every process it started), and is stopped by systemd when gpu-mon is
+killed, the restarted daemon requeueing it once.
+
+Outside the container (no systemd as PID 1 here) the direct path is chosen: tests/test_queue.py covers it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import pytest
+import test_under_systemd as under
+from conftest import wait_for
+from test_under_systemd import CHECKOUT, OPENER, SRV, UNIT, Service, _gpu_mon, _write_config
+
+from gpu_mon.engine.workloads import transient
+
+box, host = under.box, under.host  # this module's fixtures too: a container of its own
+USER = "gmqsys"
+CLIENT_CONF = "/etc/gpu-mon-client.conf"
+DATABASE = "/var/lib/gpu_mon/queue.sqlite"
+CONFIG = """\
+[defaults]
+start_delay_seconds = 0
+interval_seconds = 10
+
+[gpu-all]
+gpus = ALL
+
+[queue]
+grace_seconds = 3
+"""
+# A job: notes who and where it is (its cgroup, its GPU, its argv) in its home, written last, and writes the
+# machine's /tmp. `stubborn`: on its first run it leaves a double-forked child that ignores SIGTERM and runs
+# until killed; `exit N`: exits N; `term`: SIGTERM ends it. After a restart `stubborn` ends at once.
+QJOB = r"""
+import json, os, signal, sys, time
+env = os.environ
+restart = int(env["GPU_MON_RESTART_COUNT"])
+tag = env["GPU_MON_JOB_ID"] + "-" + str(restart)
+with open("/tmp/qjob-" + tag, "w") as f:
+    f.write("tmp")
+info = {"uid": os.getuid(), "cgroup": open("/proc/self/cgroup").read().strip(), "cwd": os.getcwd(),
+        "cuda": env.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv[1:], "pid": os.getpid()}
+mode = sys.argv[1]
+if mode == "stubborn" and restart == 0:
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.write(w, str(os.getpid()).encode())
+            while True:
+                time.sleep(0.1)
+        os._exit(0)
+    os.close(w)
+    info["child"] = int(os.read(r, 32))
+path = os.path.join(env["HOME"], "qjob-" + tag + ".json")
+with open(path + ".new", "w") as f:
+    json.dump(info, f)
+os.rename(path + ".new", path)
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "term":
+    os.kill(os.getpid(), signal.SIGTERM)
+if mode == "stubborn" and restart >= 1:
+    sys.exit(0)
+while True:
+    time.sleep(0.1)
+"""
+
+
+class Lab:
+    """gpu-mon.service with a [queue], and a user of the container who submits."""
+
+    def __init__(self, service: Service, uid: int):
+        self.svc = service
+        self.box = service.box
+        self.uid = uid
+
+    def submit(self, *command: str) -> int:
+        """`gpu-mon submit` as the user, from the user's home, with the system's Python."""
+        env = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME=/home/{USER}", f"USER={USER}", "LANG=C.UTF-8"]
+        env += [f"PYTHONPATH={CHECKOUT}"]
+        client = ["/usr/bin/python3", "-m", "gpu_mon", "--config", CLIENT_CONF, "submit", "--json", "--"]
+        argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--init-groups", *env]
+        argv += ["sh", "-c", 'cd "$HOME" && exec "$@"', "sh", *client, "/usr/bin/python3", f"{SRV}/qjob.py"]
+        out = self.box.run([*argv, *command]).stdout
+        return int(json.loads(out)["id"])
+
+    def job(self, job_id: int) -> dict:
+        out = self.box.run([_gpu_mon(), "--config", CLIENT_CONF, "jobs", "--json", "--all"]).stdout
+        return next(j for j in json.loads(out)["jobs"] if j["id"] == job_id)
+
+    def wait_job(self, job_id: int, state: str, restarts: int = 0, timeout: float = 30) -> dict:
+        def reached():
+            j = self.job(job_id)
+            return j if (j["state"], j["restarts"]) == (state, restarts) else None
+
+        return wait_for(reached, timeout, f"job {job_id} {state} (restart {restarts})", interval=0.1)
+
+    def home(self, name: str) -> Path:
+        return self.box.path(f"/home/{USER}/{name}")
+
+    def report(self, job_id: int, restart: int) -> dict:
+        path = self.home(f"qjob-{job_id}-{restart}.json")
+        wait_for(path.exists, 20, f"{path.name} written by the job")
+        return json.loads(path.read_text())
+
+    def alive(self, pid: int) -> bool:
+        """Whether a process of the container (its own pid) runs (a zombie does not)."""
+        try:
+            stat = self.box.path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+    def unit_lines(self, unit: str) -> List[tuple]:
+        return self.box.journal(unit, self.svc.since)
+
+
+def _user(box) -> int:
+    if box.run(["id", "-u", USER], check=False).returncode != 0:
+        box.run(["useradd", "-m", "-s", "/bin/sh", USER])
+    return int(box.run(["id", "-u", USER]).stdout)
+
+
+@pytest.fixture
+def lab(box, host) -> Iterator[Lab]:
+    """gpu-mon with CONFIG, an empty queue and the user; afterwards every job's unit stopped and the
+    user's and the jobs' files removed."""
+    (host.dir / "qjob.py").write_text(QJOB)
+    box.write(CLIENT_CONF, "[queue]\n")
+    uid = _user(box)
+    _write_config(box, CONFIG)
+    svc = Service(box, host)
+    svc.systemctl("start", UNIT)
+    try:
+        yield Lab(svc, uid)
+    finally:
+        svc.systemctl("stop", UNIT, check=False)
+        svc.systemctl("reset-failed", UNIT, check=False)
+        box.run(["systemctl", "stop", "gpu-mon-job-*.service"], check=False)
+        box.run(["systemctl", "reset-failed", "gpu-mon-job-*.service"], check=False)
+        box.run(["sh", "-c", f"rm -rf {DATABASE}* /tmp/qjob-* /home/{USER}/qjob-* /home/{USER}/.local"])
+
+
+def _device_of(lab: Lab, uuid: Optional[str]) -> str:
+    index = next(i for i in range(3) if lab.svc.host.uuid(i) == uuid)
+    return f"{SRV}/dev/nvidia{index}"
+
+
+def test_a_job_runs_as_its_user_in_a_unit_of_its_own_outside_the_sandbox(lab: Lab):
+    lab.svc.wait_line(r"^queue: jobs run as transient units in gpu_mon_jobs\.slice, stopped with gpu-mon")
+    # systemd would expand $NAME in a unit's command line and %n nowhere: the job gets its arguments as given
+    job = lab.submit("exit", "0", "$HOME ${USER} $$ %n")
+    done = lab.wait_job(job, "done")
+    assert done["exit_status"] == 0
+    info = lab.report(job, 0)
+    assert info["uid"] == lab.uid and info["cwd"] == f"/home/{USER}"
+    assert info["argv"] == ["exit", "0", "$HOME ${USER} $$ %n"], info["argv"]
+    group = f"0::/gpu_mon_jobs.slice/gpu-mon-job-{job}-r0.service"
+    assert group in info["cgroup"].splitlines(), info["cgroup"]
+    # The user's home and the machine's /tmp (not the service's private one), written as the user.
+    for path in (lab.home(f"qjob-{job}-0.json"), lab.box.path(f"/tmp/qjob-{job}-0")):
+        assert path.stat().st_uid == lab.uid, path
+    log = lab.home(f".local/state/gpu-mon/jobs/{job}.log")
+    assert log.exists() and log.stat().st_uid == lab.uid
+    # Its own exit status, also where systemd-run's would say otherwise (0 for SIGTERM, 255 for a signal).
+    failed = lab.submit("exit", "3")
+    assert lab.wait_job(failed, "failed")["exit_status"] == 3
+    termed = lab.submit("term")
+    assert lab.wait_job(termed, "failed")["exit_status"] == 128 + 15
+    lab.svc.wait_line(rf"^queue: job {termed} of {USER} was killed by signal 15: failed$")
+    warnings = [line for _t, line in lab.svc.lines(priority="warning") if "[process-*]" not in line]
+    assert not warnings, warnings
+
+
+def test_a_foreign_open_stops_every_process_of_the_job_which_runs_again(lab: Lab):
+    job = lab.submit("stubborn")
+    info = lab.report(job, 0)
+    unit = f"gpu-mon-job-{job}-r0.service"
+    assert lab.alive(info["child"]) and lab.alive(info["pid"])
+    foreign = "gpu-mon-test-foreign.service"
+    device = _device_of(lab, info["cuda"])
+    lab.box.run(["systemd-run", "--collect", f"--unit={foreign}", "/usr/bin/python3", "-c", OPENER, device])
+    try:
+        began = time.monotonic()
+        lab.svc.wait_line(rf"busy: root python3\[\d+\] holds {device}; stopping job {job}$")
+        # The child ignores SIGTERM and left the job's session: the unit's group reaches it after the grace.
+        kill = rf"^job {job}\[\d+\] still running 3\.\d s after SIGTERM; killing every process of {unit}"
+        lab.svc.wait_line(kill)
+        wait_for(
+            lambda: not lab.alive(info["child"]) and not lab.alive(info["pid"]),
+            10,
+            "the job's processes gone",
+        )
+        took = time.monotonic() - began
+        assert took < 3 + 5, f"{took:.1f} s from the open to the last process gone"
+        again = lab.wait_job(job, "done", restarts=1)
+    finally:
+        lab.box.run(["systemctl", "stop", foreign], check=False)
+    assert again["exit_status"] == 0
+    rerun = lab.report(job, 1)
+    assert rerun["cgroup"].endswith(f"/gpu-mon-job-{job}-r1.service") and rerun["cuda"] != info["cuda"]
+    assert lab.box.show(unit, "ActiveState")["ActiveState"] == "inactive"
+
+
+def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(lab: Lab):
+    job = lab.submit("stubborn")
+    info = lab.report(job, 0)
+    old_main = lab.svc.show("MainPID")["MainPID"]
+    lab.svc.systemctl("kill", "--signal=SIGKILL", UNIT)
+    r0, r1 = f"gpu-mon-job-{job}-r0.service", f"gpu-mon-job-{job}-r1.service"
+
+    def ended() -> Optional[float]:
+        """When systemd was done with the job's first unit (its last journal line), once it is."""
+        lines = lab.unit_lines(r0)
+        state = lab.box.show(r0, "ActiveState")["ActiveState"]
+        return lines[-1][0] if lines and state in ("inactive", "failed") else None
+
+    stopped = wait_for(ended, 30, f"systemd to stop {r0}", interval=0.2)
+    assert not lab.alive(info["child"]) and not lab.alive(info["pid"])
+    lab.svc.wait_line(rf"^queue: job {job} was running when gpu-mon stopped: back in the queue")
+    # systemd stopped it with gpu-mon, and started gpu-mon again only then (the daemon found nothing to kill).
+    restarted, _m = lab.svc.wait_line(r"^Starting gpu-mon\.service")
+    assert stopped <= restarted, (stopped, restarted)
+    assert not [line for _t, line in lab.svc.lines() if "still runs without gpu-mon" in line]
+    assert lab.svc.show("MainPID")["MainPID"] != old_main
+    again = lab.wait_job(job, "done", restarts=1)
+    assert again["exit_status"] == 0
+    started = [t for t, line in lab.unit_lines(r1) if line.startswith(f"Started {r1} ")]
+    assert started and started[0] >= stopped, (started, stopped)  # never two runs at once
+    r2 = f"gpu-mon-job-{job}-r2.service"
+    assert not lab.unit_lines(r2), "the job ran a third time"
+
+
+def test_the_launcher_is_systemd_only_where_systemd_runs_the_machine(tmp_path: Path):
+    none = str(tmp_path / "no-systemd")
+    assert transient.choose("auto", True, run_dir=none) is False
+    assert transient.choose("auto", True, run_dir=str(tmp_path)) is True  # (systemd-run is installed)
+    assert transient.choose("auto", False, run_dir=str(tmp_path)) is False  # not root: the user's own jobs
+    assert transient.choose("direct", True, run_dir=str(tmp_path)) is False
+    with pytest.raises(transient.LauncherError, match="systemd does not run this machine"):
+        transient.choose("systemd", True, run_dir=none)
+    with pytest.raises(transient.LauncherError, match="not running as root"):
+        transient.choose("systemd", False, run_dir=str(tmp_path))
