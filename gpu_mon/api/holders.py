@@ -21,6 +21,13 @@ another process, a new thread with a table of its own) is left to the caller: it
 open event is not explained by the incremental scan, and whenever a holder lets go of a GPU
 (`ScanResult.released`: its descriptor may have been handed on). Counting threads in every poll as well
 doubled a poll's cost (one more stat per process) for a case an open event already covers.
+
+After an open, `changed(enough=...)` reads the likeliest openers first (the processes that changed or
+appeared most recently, then new ones, then the others, the newest first by the order the kernel handed out
+their pids) and stops at the first holder the caller accepts, so that a stop can go out before the rest is
+read; the next `changed` reads the rest. Between two
+signature passes, `fresh` notices new and gone processes and compares the signatures of holders and young
+processes only (a pass over every signature costs a `stat` per process).
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ import logging
 import os
 import platform
 import stat
+import time
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from gpu_mon.api import procfs
 from gpu_mon.api.model import Denied, Gpu, Holder
@@ -46,6 +54,8 @@ _KCMP_FILES = 2
 _MAX_NODES = 256  # other namespaces' GPU nodes remembered (a hostile user could make many)
 _MAPS_ROUNDS = 30  # every process's maps are read at least once every this many maps scans
 _MAX_RETIRED = 64  # replaced nodes remembered per scanner (the oldest goes first)
+_YOUNG_SECONDS = 60.0  # a process first seen this recently has its signature compared by every `fresh`
+_RECENT = 64  # processes remembered as the latest that changed or appeared (an open's first suspects)
 _KCMP_SYSCALL = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "ppc64le": 354, "s390x": 343}.get(
     platform.machine()
 )
@@ -182,6 +192,7 @@ class ScanResult:
     rescanned: Set[int] = field(default_factory=set)  # pids whose fds were read in this scan
     full: bool = False
     released: bool = False  # a holder let go of a GPU (or exited): a full scan should follow
+    complete: bool = True  # False: a search stopped at what it looked for (the next `changed` reads the rest)
     nodes: Dict[int, FrozenSet[Tuple[str, str]]] = field(default_factory=dict)  # pid -> (uuid, path)
 
 
@@ -299,6 +310,7 @@ class HolderScanner:
         self.skip = {str(p) for p in skip_pids}
         self.incremental = proc == procfs.PROC and fd_count_supported(proc)
         self._cache: Dict[str, _Entry] = {}
+        self._notable: Set[str] = set()  # pids in the cache that hold a GPU or cannot be read
         self._given = Targets()  # the current nodes
         self._targets = Targets()  # those and the replaced ones still held (see _Retired)
         self._retired = _Retired()
@@ -308,6 +320,9 @@ class HolderScanner:
         self.extra_nodes: Dict[Tuple[int, int], Tuple[str, str]] = {}
         self._vm_seen: Dict[str, int] = {}  # pid -> mapped pages when its maps were last read
         self._maps_turn = 0
+        self._born: Dict[str, float] = {}  # pid -> when a scan first saw it (the first scan's count as old)
+        self._carry: Optional[ScanResult] = None  # what searches that stopped early read since
+        self._recent: Dict[str, None] = {}  # the latest processes read as new or changed, the latest last
 
     def _signature(self, pid: str, private: Tuple[int, ...] = ()) -> Optional[Tuple[int, ...]]:
         try:
@@ -362,6 +377,7 @@ class HolderScanner:
         self._given = targets
         self._targets = self._retired.merged(targets)
         self._cache.clear()
+        self._notable.clear()
 
     def full(self, pids: Optional[Iterable[str]] = None, maps: bool = False) -> ScanResult:
         """Read the fds of every process (or of `pids` only, merged into the last result). With `maps`, also
@@ -369,6 +385,7 @@ class HolderScanner:
         the others in turn (reading every map costs ~350 ms at 1000 processes: too long a stall)."""
         if pids is None:
             old_cache, self._cache = self._cache, {}
+            self._notable = set()
             pids = procfs.list_pids(self.proc)
             result = ScanResult(full=True)
         else:
@@ -388,6 +405,9 @@ class HolderScanner:
             self._vm_seen = {p: v for p, v in self._vm_seen.items() if p in live}
             if self._retired.prune(self._matched, self._maps_scans):
                 self._targets = self._retired.merged(self._given)  # nothing held them: no entry changes
+        if result.full:
+            self._note_born(self._cache.keys())
+            self._take_carry(result)
         return self._result(result)
 
     def _maps_due(self, pid: str) -> bool:
@@ -402,53 +422,151 @@ class HolderScanner:
         result.rescanned.add(int(pid))
         if _released(old, entry):
             result.released = True
+        if entry is not None and self._born and (old is None or old.signature != entry.signature):
+            self._recent.pop(pid, None)
+            self._recent[pid] = None
+            if len(self._recent) > _RECENT:
+                del self._recent[next(iter(self._recent))]
         if entry is None:
             self._cache.pop(pid, None)
         else:
             self._cache[pid] = entry
+        if entry is not None and entry.gpus:
+            self._notable.add(pid)
+        else:
+            self._notable.discard(pid)
 
-    def changed(self) -> ScanResult:
-        """Read only the processes that are new or whose signature changed (full if counts are unknown)."""
+    def changed(self, enough: Optional[Callable[[int, FrozenSet[str]], bool]] = None) -> ScanResult:
+        """Read only the processes that are new or whose signature changed (full if counts are unknown).
+
+        With `enough`, the likeliest openers are read first (the latest processes that changed or
+        appeared, before /proc is even listed; then new processes; then the others, the newest first) and
+        the scan stops after the first process that holds a GPU and that `enough` accepts: `complete` is
+        False, and processes that exited are noticed by the next `changed`, which reads the rest and
+        reports what both read (`rescanned`, `released`)."""
         if not self.incremental or not self._cache:
             return self.full()
         result = ScanResult()
-        live: Set[str] = set()
-        cache = self._cache
-        for pid in procfs.list_pids(self.proc):
-            if pid in self.skip:
-                continue
-            live.add(pid)
-            entry = cache.get(pid)
-            if entry is not None and not entry.mapped:
-                signature = self._signature(pid, entry.private)
-                if signature is not None and entry.signature == signature:
-                    continue
-            self._update(pid, self._read(pid, False, entry), entry, result)
-        for pid in list(self._cache):
-            if pid not in live:
-                self._update(pid, None, self._cache[pid], result)
+        recent = [p for p in reversed(self._recent) if p in self._cache] if enough is not None else []
+        if self._search(recent, enough, result):
+            return self._stopped(result)
+        live = self._live()
+        if self._search(self._likeliest(live, set(recent)) if enough else live, enough, result):
+            return self._stopped(result)
+        self._gone(live, result)
+        self._take_carry(result)
         return self._result(result)
+
+    def _search(
+        self, pids: Iterable[str], enough: Optional[Callable[[int, FrozenSet[str]], bool]], result: ScanResult
+    ) -> bool:
+        """Read those of these processes that are new or changed; True at the first that `enough` accepts."""
+        for pid in pids:
+            entry = self._cache.get(pid)
+            if self._same(pid, entry):
+                continue
+            new = self._read(pid, False, entry)
+            self._update(pid, new, entry, result)
+            if enough is not None and _holds(new) and enough(int(pid), new.gpus):  # type: ignore[union-attr]
+                return True
+        return False
+
+    def _stopped(self, result: ScanResult) -> ScanResult:
+        result.complete = False
+        self._carry = _merged(self._carry, result)
+        return self._result(result)
+
+    def fresh(self) -> ScanResult:
+        """A light look for the polls between two signature passes: new processes are read and gone ones
+        noticed, but of the others only holders and young processes (first seen within _YOUNG_SECONDS)
+        have their signature compared; the rest wait for the next `changed` or `full`."""
+        if not self.incremental or not self._cache:
+            return self.full()
+        result = ScanResult()
+        live = self._live()
+        young = time.monotonic() - _YOUNG_SECONDS
+        for pid in live:
+            entry = self._cache.get(pid)
+            if entry is not None and not _holds(entry) and self._born.get(pid, young) <= young:
+                continue
+            if self._same(pid, entry):
+                continue
+            self._update(pid, self._read(pid, False, entry), entry, result)
+        self._gone(live, result)
+        return self._result(result)
+
+    def _live(self) -> Set[str]:
+        return {p for p in procfs.list_pids(self.proc) if p not in self.skip}
+
+    def _same(self, pid: str, entry: Optional[_Entry]) -> bool:
+        """Whether a known process's signature is what it was (one with only a memory map is read again)."""
+        if entry is None or entry.mapped:
+            return False
+        signature = self._signature(pid, entry.private)
+        return signature is not None and entry.signature == signature
+
+    def _gone(self, live: Set[str], result: ScanResult) -> None:
+        """Forget the processes that exited (a holder among them is released)."""
+        for pid in [p for p in self._cache if p not in live]:
+            self._update(pid, None, self._cache[pid], result)
+        self._note_born(live)
+
+    def _note_born(self, live: Iterable[str]) -> None:
+        now = -1e18 if not self._born else time.monotonic()  # (the first scan's processes are not young)
+        born = self._born
+        self._born = {p: born.get(p, now) for p in live}
+
+    def _likeliest(self, live: Set[str], done: Set[str]) -> List[str]:
+        """Where an opener most likely is, after the recent ones (`done`): processes new since the last
+        scan, then the others, each in the order the kernel handed out their pids, the newest first."""
+        last = procfs.last_pid(self.proc)
+        cache = self._cache
+        new = procfs.newest_first(map(int, (p for p in live if p not in cache)), last)
+        known = procfs.newest_first(map(int, (p for p in live if p in cache and p not in done)), last)
+        return [*map(str, new), *map(str, known)]
+
+    def _take_carry(self, result: ScanResult) -> None:
+        """A complete scan reports what the searches that stopped before it read."""
+        if self._carry is not None:
+            result.rescanned |= self._carry.rescanned
+            result.released = result.released or self._carry.released
+            self._carry = None
 
     def only(self, pids: Iterable[int]) -> ScanResult:
         """Read the fds of exactly these processes, forgetting every other (a process tree's scan: its cost
         is the tree's size, not /proc's)."""
         keep = {str(p) for p in pids} - self.skip
         self._cache = {p: e for p, e in self._cache.items() if p in keep}
+        self._notable &= keep
         return self.full(pids=sorted(keep))
 
     def forget(self, pids: Iterable[int]) -> None:
         """Drop cached results (e.g. a holder whose start time changed: the pid was reused)."""
         for pid in pids:
             self._cache.pop(str(pid), None)
+            self._notable.discard(str(pid))
 
     def _result(self, result: ScanResult) -> ScanResult:
-        for pid, entry in self._cache.items():
+        for pid in sorted(self._notable, key=int):
+            entry = self._cache[pid]
             if entry.gpus == _DENIED:
                 result.denied.append(int(pid))
             elif entry.gpus:
                 result.held[int(pid)] = entry.gpus  # type: ignore[assignment]
                 result.nodes[int(pid)] = entry.nodes
         return result
+
+
+def _holds(entry: Optional[_Entry]) -> bool:
+    """Whether a read process holds a GPU (not: it could not be read)."""
+    return entry is not None and entry.gpus != _DENIED and bool(entry.gpus)
+
+
+def _merged(old: Optional[ScanResult], new: ScanResult) -> ScanResult:
+    """What two searches read."""
+    if old is None:
+        return ScanResult(rescanned=set(new.rescanned), released=new.released)
+    return ScanResult(rescanned=old.rescanned | new.rescanned, released=old.released or new.released)
 
 
 def _vm_pages(path: str) -> Optional[int]:

@@ -45,6 +45,7 @@ class Observer:
         self.node_errors: Dict[str, str] = {}
         self.holders: Tuple[Holder, ...] = ()
         self.last_rescanned: Set[int] = set()  # pids whose descriptors the last scan read
+        self.scan_complete = True  # False after a search that stopped at what it looked for (see scan)
         self.rescan_wanted = False  # a holder let go of a GPU since the last full scan
         # (mode, seconds) of each holder scan since take_scan_times (the latest 256: nobody may take them)
         self.scan_times: Deque[Tuple[str, float]] = collections.deque(maxlen=256)
@@ -92,20 +93,33 @@ class Observer:
             if watched == path:
                 del self.scanner.extra_nodes[key]
 
-    def scan(self, mode: str, sessions_of_ours: Iterable[int] = (), pids: Iterable[int] = ()) -> None:
+    def scan(
+        self,
+        mode: str,
+        sessions_of_ours: Iterable[int] = (),
+        pids: Iterable[int] = (),
+        enough: Optional[Callable[[Holder], bool]] = None,
+    ) -> None:
         """Scan holders: mode 'full' (with memory maps), 'fds' (full, descriptors only), 'changed'
-        (incremental) or 'pids' (just those)."""
+        (incremental), 'first' (incremental, the likeliest openers first, stopping at the first holder that
+        `enough` accepts: `scan_complete` is then False, and a 'changed' scan reads the rest), 'new' (new
+        processes, holders and young ones: HolderScanner.fresh) or 'pids' (just those)."""
         began = time.perf_counter()
+        ours = set(sessions_of_ours)
         if mode in ("full", "fds"):
             result = self.scanner.full(maps=mode == "full")
         elif mode == "pids":
             result = self.scanner.full(pids=[str(p) for p in pids])
+        elif mode == "new":
+            result = self.scanner.fresh()
+        elif mode == "first" and enough is not None:
+            result = self.scanner.changed(enough=self._accepts(enough, ours))
         else:
             result = self.scanner.changed()
         self.scan_times.append((mode, time.perf_counter() - began))
+        self.scan_complete = result.complete
         self.last_rescanned = result.rescanned
         self.rescan_wanted = (self.rescan_wanted or result.released) and not result.full
-        ours = set(sessions_of_ours)
         found = []
         reused = []
         for pid, gpus in sorted(result.held.items()):
@@ -136,8 +150,17 @@ class Observer:
                 "" if os.geteuid() == 0 else "; run gpu-mon as root to see every process",
             )
             self._denied_logged |= new_denied
-        if self.after_scan is not None:
+        if self.after_scan is not None and result.complete:
             self.after_scan()
+
+    def _accepts(self, enough: Callable[[Holder], bool], ours: Set[int]) -> Callable[[int, frozenset], bool]:
+        """`enough` for the scanner: a holder described and told apart as ours or not."""
+
+        def accepts(pid: int, gpus: frozenset) -> bool:
+            h = holders.describe(pid, gpus, self.proc)
+            return h is not None and enough(self._classify(h, ours))
+
+        return accepts
 
     def is_ours(self, pid: int, sid: int, ours: Set[int]) -> bool:
         """In the session of one of our workloads, or a descendant of gpu_mon (which covers escapees)."""
@@ -196,6 +219,19 @@ class Observer:
             nvml_procs=self.nvml_processes(ours_set),
             node_errors=tuple(sorted(self.node_errors.items())),
         )
+
+
+def unexplained(before: GpuReading, after: GpuReading, known: Iterable[Holder]) -> bool:
+    """Whether a new GPU reading shows use that the holders found so far may not explain: a process NVML
+    lists that is not a known holder of that GPU, or memory used that changed (or became unreadable)."""
+    held = {(u, h.pid) for h in known for u in h.gpus}
+    used = {g.uuid: g.memory_used_mib for g in before.gpus}
+    for gpu in after.gpus:
+        if gpu.uuid not in used or gpu.memory_used_mib is None or gpu.memory_used_mib != used[gpu.uuid]:
+            return True
+        if gpu.processes is None or any((gpu.uuid, p.pid) not in held for p in gpu.processes):
+            return True
+    return False
 
 
 def look(backend: Backend, tty_patterns: Optional[Iterable[str]] = None, proc: str = procfs.PROC) -> Snapshot:

@@ -7,7 +7,7 @@ import os
 import pwd
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 PROC = "/proc"
 
@@ -83,6 +83,25 @@ def list_pids(proc: str = PROC) -> Iterator[str]:
     except OSError:
         return iter(())
     return (n for n in names if n.isdigit())
+
+
+def last_pid(proc: str = PROC) -> Optional[int]:
+    """The pid the kernel handed out last (the last field of /proc/loadavg), or None."""
+    try:
+        with open(f"{proc}/loadavg", "rb") as f:
+            return int(f.read(128).split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def newest_first(pids: Iterable[int], last: Optional[int]) -> List[int]:
+    """Pids in the order they were handed out, the newest first: down from `last` (the pid given out last),
+    then down from the top (those came before the counter wrapped round). Without `last`, highest first."""
+    ordered = sorted(pids, reverse=True)
+    if last is None:
+        return ordered
+    cut = next((i for i, p in enumerate(ordered) if p <= last), len(ordered))
+    return ordered[cut:] + ordered[:cut]
 
 
 def display_name(comm: str, argv0: str) -> str:

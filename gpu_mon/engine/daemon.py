@@ -2,10 +2,15 @@
 stopping -> act -> tell the listeners (state file, notify, ...), which never steer it.
 
 Fast path: an open of a GPU node (inotify IN_OPEN) triggers an incremental holder scan with the last GPU
-reading, so the opener is usually found in a few ms at 1000 processes. An open that the incremental scan
+reading that reads the likeliest openers first (new processes, then the newest) and stops at the first
+foreign holder of that GPU: the stops it calls for go out at once (after the look again), and the rest of
+the scan follows before the round logs and publishes the whole picture. An open that the incremental scan
 cannot explain triggers a full scan (at most two a second; a later one is deferred, never dropped). The
-polling timer (interval_seconds) reads NVML and scans incrementally; a full scan, memory maps included, runs
-every full_scan_seconds, and soon after a holder lets go of a GPU (its descriptor may have been handed on).
+polling timer (interval_seconds) reads NVML and looks at new processes, holders and young ones; every
+process's fd signature is compared every _SIGNATURE_SECONDS, at every poll where opens cannot all be
+watched, and at once when NVML shows use the holders found do not explain. A full scan, memory maps
+included, runs every full_scan_seconds, and soon after a holder lets go of a GPU (its descriptor may have
+been handed on).
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import signal
 import time
 from typing import Callable, Deque, Dict, Iterable, List, Optional, Set
 
-from gpu_mon.api.model import Snapshot
-from gpu_mon.api.observe import Backend, Observer
+from gpu_mon.api.model import GpuReading, Holder, Snapshot
+from gpu_mon.api.observe import Backend, Observer, unexplained
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
 from gpu_mon.engine import gpustate, idleholders, policy, reload, words
@@ -38,6 +43,7 @@ from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
 log = logging.getLogger("gpu_mon")
 
 _EVENT_FULL_SCAN_GAP = 0.5  # at most two unexplained-open full scans a second
+_SIGNATURE_SECONDS = 10.0  # every process's fd signature compared at least this often (a poll's own cost)
 _EMPTY_PLAN = policy.Plan(rules={}, instances=(), index_of={})
 _STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 # SIGHUP reloads, SIGUSR1 logs a status line, SIGUSR2 asks for a full scan; SIGALRM is ignored.
@@ -88,6 +94,8 @@ class Daemon:
         self.stopping = 0
         self.next_poll = 0.0
         self.next_full = 0.0
+        self.next_signatures = 0.0
+        self.sent_first: Dict[str, tuple] = {}  # workload key -> (Stop, label, pid): sent before the round
         self.full_scan_requested = False
         self.last_event_full = -1e9
         self.deferred_full: Optional[float] = None
@@ -281,11 +289,24 @@ class Daemon:
 
     def _poll(self, now: float, full: bool) -> None:
         d = self.config.defaults
+        was = self.observer.reading
         self.observer.read_gpus()
         self.next_poll = now + d.interval_seconds
         if full or not self.observer.scanner.incremental:
             self.next_full = now + d.full_scan_seconds
-        self._round(now, scan="full" if full else "changed")
+        scan = "full" if full else "changed" if self._signatures_due(now, was) else "new"
+        if scan != "new":
+            self.next_signatures = now + max(d.interval_seconds, _SIGNATURE_SECONDS)
+        self._round(now, scan=scan)
+
+    def _signatures_due(self, now: float, was: GpuReading) -> bool:
+        """Whether this poll compares every process's fd signature: every _SIGNATURE_SECONDS; at every poll
+        where an open of some GPU's node would not wake us; at once when NVML shows a process that is not a
+        known holder of that GPU or memory used changed. (New processes, holders and young ones are looked
+        at in every poll.)"""
+        if now >= self.next_signatures or not self.opens.covers():
+            return True
+        return unexplained(was, self.observer.reading, self.observer.holders)
 
     def _on_open(self, opened: Set[str], now: float) -> None:
         """A GPU node was opened: find the opener with an incremental scan, else a (rate-limited) full one.
@@ -298,7 +319,10 @@ class Daemon:
         """
         uuids = {self.observer.watch_targets().get(path) for path in opened}
         before = self.openers.before()
-        explained = self._explained("changed", uuids)
+        explained = self._explained("first", uuids)
+        if not self.observer.scan_complete:  # a foreign holder of an opened GPU: it is yielded to first
+            self._yield_first(now)
+            explained = self._explained("changed", uuids) or explained
         for uuid in self.openers.note(uuids, before, now):  # a process we cannot read opened it: at once
             log.debug("open of %s by a process whose files cannot be read", uuid)
         if explained:
@@ -318,10 +342,55 @@ class Daemon:
                 self.deferred_full = self.last_event_full + _EVENT_FULL_SCAN_GAP
 
     def _explained(self, scan: str, uuids: Set[Optional[str]]) -> bool:
-        """Scan; whether a process that scan read now holds one of these GPUs."""
-        self.observer.scan(scan, self.supervisor.sessions())
+        """Scan; whether a process that scan read now holds one of these GPUs. A 'first' scan stops at the
+        first holder of one of them that is not ours and that its [gpu-*] section does not ignore."""
+        enough = self._foreign_holder(uuids) if scan == "first" else None
+        self.observer.scan(scan if enough else "changed", self.supervisor.sessions(), enough=enough)
         rescanned = self.observer.last_rescanned
         return any(h.pid in rescanned and h.gpus & uuids for h in self.observer.holders)
+
+    def _foreign_holder(self, uuids: Set[Optional[str]]) -> Optional[Callable[[Holder], bool]]:
+        """Whether a holder makes one of these GPUs busy by the policy's rule for holders (one more holder
+        changes the log line, not the decision); None while the plan has problems."""
+        plan = self.plan
+        if plan is None or plan.problems:
+            return None
+        rules = {u: plan.rules[u] for u in uuids if u in plan.rules}
+        return lambda h: not h.ours and any(u in rules and not policy.ignored(h, rules[u]) for u in h.gpus)
+
+    def _yield_first(self, now: float) -> None:
+        """The urgent stops a foreign open calls for, sent on what the search has read (confirmed by the look
+        again, as in every round); the round after the rest of the scan logs them with the whole picture."""
+        plan = self._ensure_plan()
+        snap = self._snapshot(now, quick=True)
+        decision = policy.decide(self.config, plan, snap, self.state)
+        stops = tuple(a for a in decision.actions if isinstance(a, Stop) and _urgent(a))
+        if not stops:
+            return
+        decision = dataclasses.replace(decision, actions=stops)
+        decision, _snap = self._look_again(plan, snap, decision, now, quick=True)
+        for stop in decision.actions:
+            w = self.supervisor.workloads.get(stop.key) if isinstance(stop, Stop) and _urgent(stop) else None
+            if w is not None and not w.stopping:
+                why = words.stop(stop, plan.index_of)
+                self.supervisor.stop(stop.key, why, now, urgent=True)
+                self._yield_started(stop, w.label)
+                self.sent_first[stop.key] = (stop, w.label, w.pid)
+                log.debug("stopping %s before reading the rest of /proc: %s", w.label, why)
+
+    def _with_first(self, decision: Decision) -> Decision:
+        """The stops sent before the round, among its actions (for their log line), each with its GPUs'
+        first reason as the whole picture has it."""
+        if not self.sent_first:
+            return decision
+        sent = []
+        for stop, _label, _pid in self.sent_first.values():
+            busy = []
+            for uuid, reason in stop.busy:
+                v = decision.verdicts.get(uuid)
+                busy.append((uuid, v.reasons[0] if v is not None and v.busy and v.reasons else reason))
+            sent.append(dataclasses.replace(stop, busy=tuple(busy)))
+        return dataclasses.replace(decision, actions=(*sent, *decision.actions))
 
     # ------------------------------------------------------------------ one round
 
@@ -339,15 +408,20 @@ class Daemon:
         self.plan = plan
         return plan
 
-    def _snapshot(self, now: float) -> Snapshot:
+    def _snapshot(self, now: float, quick: bool = False) -> Snapshot:
+        """What the policy sees now. `quick` (a stop sent before the round): the last round's terminals,
+        no exits or jobs taken (the round that follows takes them)."""
         tty = self.config.tty
-        snap = self.observer.snapshot(now, self.supervisor.sessions(), tty.devices if tty.enabled else None)
+        patterns = tty.devices if tty.enabled and not quick else None
+        snap = self.observer.snapshot(now, self.supervisor.sessions(), patterns)
         snap = dataclasses.replace(
             snap,
             running=self.supervisor.running(),
-            exited=self.supervisor.take_exits(),
+            exited=() if quick else self.supervisor.take_exits(),
             unseen_opens=tuple(self.openers.unseen.values()),
         )
+        if quick:
+            return dataclasses.replace(snap, ttys=self.report.snapshot.ttys if self.report else ())
         return self.queue.take_jobs(snap) if self.queue is not None else snap
 
     def _round(self, now: float, scan: Optional[str]) -> None:
@@ -358,6 +432,7 @@ class Daemon:
         decision = policy.decide(self.config, plan, snap, self.state)
         if any(isinstance(a, Stop) and a.gpus for a in decision.actions):
             decision, snap = self._look_again(plan, snap, decision, now)
+        decision = self._with_first(decision)
         if self.slurm is not None:  # (before our own stops: asking Slurm only hands a call to a thread)
             self.slurm.round(snap, plan.rules, plan.index_of, self.wake_at, self.wake_by_open)
         self.state = decision.state
@@ -367,11 +442,12 @@ class Daemon:
         if self.queue is not None:
             decision = self._queue_round(decision, plan, now)
         self._act(decision, plan, now)
+        self.sent_first.clear()
         self.decision = decision
         self._publish(plan, snap, decision, self._yields_done(snap), self._idle_holders(plan, snap))
 
     def _look_again(
-        self, plan: policy.Plan, snap: Snapshot, decision: Decision, now: float
+        self, plan: policy.Plan, snap: Snapshot, decision: Decision, now: float, quick: bool = False
     ) -> tuple[Decision, Snapshot]:
         """Look again before doing something destructive: re-read the holders of the busy GPUs."""
         stops = [a for a in decision.actions if isinstance(a, Stop)]
@@ -379,7 +455,7 @@ class Daemon:
         pids = [h.pid for h in self.observer.holders if h.gpus & busy]
         if pids:
             self.observer.scan("pids", self.supervisor.sessions(), pids)
-        again = dataclasses.replace(self._snapshot(now), exited=snap.exited)
+        again = dataclasses.replace(self._snapshot(now, quick), exited=snap.exited)
         second = policy.decide(self.config, plan, again, self.state)
         confirmed = {s.key for s in policy.stops_confirmed(decision.actions, second.actions)}
         for s in stops:
@@ -402,10 +478,12 @@ class Daemon:
         for action in decision.actions:
             if isinstance(action, Stop):
                 w = self.supervisor.workloads.get(action.key)
-                if w is not None:
+                first = self.sent_first.pop(action.key, None)
+                if first is not None:  # (its signal went out before the round)
+                    self._say(f"{words.stop(action, plan.index_of)}; stopping {first[1]}[{first[2]}]")
+                elif w is not None:
                     why = words.stop(action, plan.index_of)
-                    # A foreign process opened the GPU (not: it went unreadable): it is about to allocate.
-                    urgent = bool(action.busy) and action.busy[0][1].kind in gpustate.FOREIGN_REASONS
+                    urgent = _urgent(action)
                     self.supervisor.stop(action.key, why, now, urgent=urgent)
                     if urgent:
                         self._yield_started(action, w.label)  # a preemption
@@ -653,6 +731,11 @@ class Daemon:
         self.opens.stop(self.loop.remove_reader)
         self.observer.backend.close()
         self.loop.close()
+
+
+def _urgent(stop: Stop) -> bool:
+    """A foreign process opened the GPU (not: it went unreadable): it is about to allocate."""
+    return bool(stop.busy) and stop.busy[0][1].kind in gpustate.FOREIGN_REASONS
 
 
 def _sentinel_rule(config: Config) -> tuple:

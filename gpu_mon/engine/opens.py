@@ -23,6 +23,7 @@ class OpenWatch:
         self.watched: Tuple[str, ...] = ()
         self.announced: Set[str] = set()
         self.opened: Set[str] = set()
+        self.unwatched: Set[str] = set()  # GPUs' own nodes that cannot be watched
 
     def start(self, add_reader: Callable[[int, str], None], interval: float) -> None:
         """Open the inotify fd (polling alone when that fails)."""
@@ -55,6 +56,10 @@ class OpenWatch:
         """Whether events wait to be read (an open happened since the last read)."""
         return self.inotify is not None and self.inotify.pending()
 
+    def covers(self) -> bool:
+        """Whether an open of every GPU's own node wakes us (inotify works and watches each of them)."""
+        return self.inotify is not None and not self.unwatched
+
     def take(self) -> Set[str]:
         """The paths opened since the last take."""
         opened, self.opened = self.opened, set()
@@ -71,7 +76,9 @@ class OpenWatch:
         if self.inotify is None:
             return
         devices = {g.device for g in self.observer.reading.gpus}
-        for path, why in self.inotify.watch(self.watched).items():
+        errors = self.inotify.watch(self.watched)
+        self.unwatched = {p for p in errors if p in devices}
+        for path, why in errors.items():
             if path in devices:
                 log.warning("cannot watch %s for opens (%s): relying on polling", path, why)
             else:
