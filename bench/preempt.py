@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: how fast gpu-mon yields a GPU, and what it costs when nothing happens.
 
-    sudo python bench/preempt.py [--procs 1000] [--trials 50] [--idle-seconds 60]
+    sudo python bench/preempt.py [--procs 1000[,5000...]] [--trials 50] [--idle-seconds 60]
 
 With N background processes (each holding ~10 fds), a real `gpu-mon run` on a simulated GPU runs a workload
 (a process and its child). A foreign process (long-lived, like a Jupyter kernel) opens the GPU's node; we
@@ -15,7 +15,8 @@ textfile) and scraped 20 times a second throughout, the same at an older version
 ref of this checkout: the baseline measured side by side), and polling only, as the original gpu_mon does
 (every 1 s with a full scan, no events). With --jobs N, also the shipped mode with a [queue] of N jobs
 that cannot start (they wait for a second simulated GPU that a long-lived foreign process keeps busy).
-Then each daemon's CPU use over --idle-seconds of quiet, with the workload running.
+Then each daemon's CPU use over --idle-seconds of quiet, with the workload running. With several counts of
+background processes (--procs 1000,5000), every mode runs at each count, and the table gets a column for it.
 
 Before it starts anything it checks what it needs (root, Linux pidfds, the Python modules the daemons
 import, the metrics extra, git and the baseline ref) and, if something is missing, says all of it in one
@@ -316,15 +317,23 @@ class Scraper:
         self.thread.join(10)
 
 
+def counts(text: str) -> Tuple[int, ...]:
+    """--procs: a number, or numbers separated by commas (each a row of every mode)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or numbers separated by commas: {text!r}") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--procs", type=int, default=1000)
+    ap.add_argument("--procs", type=counts, default=(1000,), help="background processes (1000,5000: each)")
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--baseline", default="87addb5", help="git ref to measure side by side ('' for none)")
     ap.add_argument("--jobs", type=int, default=0, help="also with a [queue] of N jobs waiting (0: not)")
     a = ap.parse_args()
-    if a.trials < 1 or a.procs < 0 or a.idle_seconds <= 0 or a.jobs < 0:
+    if a.trials < 1 or min(a.procs) < 0 or a.idle_seconds <= 0 or a.jobs < 0:
         ap.error("--trials must be at least 1, --procs and --jobs at least 0, --idle-seconds more than 0")
     missing = missing_prerequisites(a)
     if missing:
@@ -358,54 +367,33 @@ def main() -> int:
             False,
         ),
     ]
-    print(f"starting {a.procs} background processes...", flush=True)
-    bg = Background(a.procs)
-    rows = []
+    bgs: List[Background] = []
+    rows: List[list] = []
+    nprocs = []
     try:
-        nprocs = sum(1 for n in os.listdir("/proc") if n.isdigit())
-        for label, name, defaults, code, history in modes:
-            port = free_port() if name == "metrics" else 0
-            run = Run(work, name, defaults, code, history, port, a.jobs if name == "jobs" else 0)
-            scraper = Scraper(port) if port else None
-            try:
-                samples = []
-                for i in range(a.trials):
-                    samples.append(run.trial())
-                    if (i + 1) % 10 == 0:
-                        print(f"  {name}: {i + 1}/{a.trials} trials", flush=True)
-                cpu = run.idle_cpu(a.idle_seconds)
-            except RuntimeError as e:
-                print(f"{ap.prog}: {name}: {e}", file=sys.stderr)
+        for count in a.procs:
+            more = max(0, count - sum(len(b.procs) for b in bgs))
+            print(f"starting {more} more background processes ({count} in all)...", flush=True)
+            bgs.append(Background(more))
+            nprocs.append(sum(1 for n in os.listdir("/proc") if n.isdigit()))
+            (work / f"procs-{count}").mkdir()
+            found = run_modes(ap.prog, a, work / f"procs-{count}", modes)
+            if found is None:
                 return 1
-            finally:
-                if scraper is not None:
-                    scraper.close()
-                run.close()
-            term = [s[0] for s in samples]
-            gone = [s[1] for s in samples]
-            rows.append(
-                [
-                    label,
-                    len(samples),
-                    f"{median(term):.1f}",
-                    f"{percentile(term, 99):.1f}",
-                    f"{max(term):.1f}",
-                    f"{median(gone):.1f}",
-                    f"{percentile(gone, 99):.1f}",
-                    f"{cpu:.2f}",
-                ]
-            )
+            rows += [[count, *row] if len(a.procs) > 1 else row for row in found]
     finally:
-        bg.close()
+        for bg in bgs:
+            bg.close()
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(
-        f"{nprocs} processes in /proc; {os.cpu_count()} CPUs; kernel {os.uname().release}; "
-        f"idle CPU over {a.idle_seconds:g} s"
+        f"{' / '.join(map(str, nprocs))} processes in /proc; {os.cpu_count()} CPUs; "
+        f"kernel {os.uname().release}; idle CPU over {a.idle_seconds:g} s"
     )
     print(
         table(
             [
+                *(["background processes"] if len(a.procs) > 1 else []),
                 "mode",
                 "trials",
                 "open->SIGTERM p50 ms",
@@ -419,6 +407,44 @@ def main() -> int:
         )
     )
     return 0
+
+
+def run_modes(prog: str, a: argparse.Namespace, work: Path, modes: list) -> Optional[List[list]]:
+    """Every mode with the background processes that run now: a row each (None when one failed)."""
+    rows = []
+    for label, name, defaults, code, history in modes:
+        port = free_port() if name == "metrics" else 0
+        run = Run(work, name, defaults, code, history, port, a.jobs if name == "jobs" else 0)
+        scraper = Scraper(port) if port else None
+        try:
+            samples = []
+            for i in range(a.trials):
+                samples.append(run.trial())
+                if (i + 1) % 10 == 0:
+                    print(f"  {name}: {i + 1}/{a.trials} trials", flush=True)
+            cpu = run.idle_cpu(a.idle_seconds)
+        except RuntimeError as e:
+            print(f"{prog}: {name}: {e}", file=sys.stderr)
+            return None
+        finally:
+            if scraper is not None:
+                scraper.close()
+            run.close()
+        term = [s[0] for s in samples]
+        gone = [s[1] for s in samples]
+        rows.append(
+            [
+                label,
+                len(samples),
+                f"{median(term):.1f}",
+                f"{percentile(term, 99):.1f}",
+                f"{max(term):.1f}",
+                f"{median(gone):.1f}",
+                f"{percentile(gone, 99):.1f}",
+                f"{cpu:.2f}",
+            ]
+        )
+    return rows
 
 
 if __name__ == "__main__":
