@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Benchmark: how fast a preemptible Slurm job yields to someone outside Slurm, through gpu-mon, beside
+how fast Slurm itself preempts it for a job of a higher partition.
+
+    sudo python bench/slurm_yield.py [--trials 20]
+
+A real one-node Slurm (tests/slurmcluster.py: munged, slurmctld, slurmd as plain processes in a temporary
+directory; partitions `scavenger`, PreemptMode=REQUEUE, and `normal`) and a real `gpu-mon run` with
+`[slurm] preemptible_partitions = scavenger` (every other key at its default) on simulated GPUs that are
+the cluster's GRES devices.
+
+gpu-mon, each trial: a scavenger batch job holds GPU 0; a process outside Slurm opens GPU 0. Measured
+from just before its open() (CLOCK_MONOTONIC, system-wide) to: the action issued (`scontrol` running:
+gpu-mon's scontrol is a tiny C program that stamps the clock and execs the real one), and the job's
+processes signalled (SIGTERM, stamped by the job's own handler); and, from gpu-mon's own log, its wake on
+the open to the start of `scontrol`.
+Slurm alone, each trial: a scavenger job holds GPU 0; a `normal` job asking for both GPUs is submitted.
+Measured from just before `sbatch` to the scavenger job's SIGTERM, and to the normal job's start.
+
+Needs root, Debian's slurmctld, slurmd, slurm-client and munge, and a C compiler (`cc`); says what is
+missing in one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+import slurmcluster  # noqa: E402
+from background import median, percentile, start_daemon, table  # noqa: E402
+
+SHIM = r"""
+#include <stdio.h>
+#include <time.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    FILE *f = fopen(STAMPS, "a");
+    if (f) {
+        fprintf(f, "%lld", (long long)t.tv_sec * 1000000000LL + t.tv_nsec);
+        for (int i = 1; i < argc; i++) fprintf(f, " %s", argv[i]);
+        fputc('\n', f);
+        fclose(f);
+    }
+    execv(REAL, argv);
+    return 127;
+}
+"""
+OPENER = (
+    "import os, sys, time\n"
+    "t = time.monotonic_ns()\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+    "print(t, flush=True)\n"
+    "time.sleep(600)\n"
+)
+UUIDS = ["GPU-5a1c0f3e-8d2b-4c6a-9f10-3b7e2d4c8a01", "GPU-9e47b2d1-1c3f-4a8e-b5d6-0f2a7c9e1b52"]
+
+
+def wait(condition: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"slurm_yield: timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def stamp(log: Path, word: str, job: int) -> Optional[int]:
+    for e in slurmcluster.events(log):
+        if e[0] == word and e[1] == str(job):
+            return int(e[-1])
+    return None
+
+
+def shim(work: Path) -> str:
+    real = shutil.which("scontrol")
+    src, exe = work / "scontrol-stamp.c", work / "scontrol-stamp"
+    src.write_text(SHIM)
+    defs = [f'-DSTAMPS="{work / "stamps"}"', f'-DREAL="{real}"']
+    subprocess.run(["cc", "-O2", *defs, "-o", str(exe), str(src)], check=True)
+    return str(exe)
+
+
+def described(state: Path, job: int) -> bool:
+    try:
+        doc = json.loads(state.read_text())
+    except (OSError, ValueError):
+        return False
+    return any(j["id"] == job and j["preemptible"] for j in doc["gpus"][0].get("slurm_jobs", []))
+
+
+def gpu_mon_trials(cluster: slurmcluster.SlurmCluster, work: Path, trials: int) -> List[tuple]:
+    sim = {
+        "gpus": [
+            {"uuid": u, "name": "Sim", "memory_total_mib": 81559, "memory_used_mib": 0, "utilization_pct": 0,
+             "device": d}
+            for u, d in zip(UUIDS, cluster.devices)
+        ]
+    }  # fmt: skip
+    (work / "sim.json").write_text(json.dumps(sim))
+    state = work / "state.json"
+    conf = (
+        f"[defaults]\nstate_file = {state}\n[history]\npath = {work / 'history.sqlite'}\n"
+        f"[gpu-all]\ngpus = ALL\n[slurm]\npreemptible_partitions = scavenger\nscontrol = {shim(work)}\n"
+    )
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    daemon, dlog = start_daemon(work, conf, str(ROOT))
+    rows = []
+    try:
+        for n in range(trials):
+            log = work / f"gm-{n}.log"
+            job = cluster.submit("scavenger", 0, log)
+            wait(lambda log=log, job=job: stamp(log, "start", job), 60, "the scavenger job")
+            wait(lambda job=job: described(state, job), 30, "gpu-mon to know the job")
+            opener = subprocess.Popen(
+                [slurmcluster.PYTHON, "-c", OPENER, cluster.devices[0]], stdout=subprocess.PIPE, text=True
+            )
+            try:
+                t_open = int(opener.stdout.readline())  # type: ignore[union-attr]
+                term = wait(lambda log=log, job=job: stamp(log, "term", job), 30, "the job's SIGTERM")
+                issued = wait(lambda job=job: _issued(work / "stamps", job), 10, "the requeue")
+            finally:
+                opener.kill()
+                opener.wait()
+            own = wait(lambda job=job: _logged(work / "daemon.log", job), 10, "gpu-mon's log line")
+            rows.append(((issued - t_open) / 1e6, (term - t_open) / 1e6, own))  # type: ignore[operator]
+            cluster.cancel_all()
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        dlog.close()
+    return rows
+
+
+def _logged(log: Path, job: int) -> Optional[float]:
+    """`slurm: job 7: requeue done (issued 3.1 ms after the open; ...)` -> 3.1."""
+    found = re.search(rf"slurm: job {job}: requeue done \(issued ([\d.]+) ms after the open", log.read_text())
+    return float(found.group(1)) if found else None
+
+
+def _issued(stamps: Path, job: int) -> Optional[int]:
+    try:
+        lines = stamps.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        words = line.split()
+        if words[1:3] in (["requeuehold", str(job)], ["requeue", str(job)]):
+            return int(words[0])
+    return None
+
+
+def slurm_trials(cluster: slurmcluster.SlurmCluster, work: Path, trials: int) -> List[tuple]:
+    rows = []
+    for n in range(trials):
+        scav_log, normal_log = work / f"scav-{n}.log", work / f"normal-{n}.log"
+        scav = cluster.submit("scavenger", 0, scav_log)
+        wait(lambda log=scav_log, job=scav: stamp(log, "start", job), 60, "the scavenger job")
+        t_submit = time.monotonic_ns()
+        normal = cluster.submit("normal", 1, normal_log, gpus=2)
+        term = wait(lambda log=scav_log, job=scav: stamp(log, "term", job), 120, "Slurm's preemption")
+        started = wait(lambda log=normal_log, job=normal: stamp(log, "start", job), 120, "the normal job")
+        rows.append(((term - t_submit) / 1e6, (started - t_submit) / 1e6))  # type: ignore[operator]
+        cluster.cancel_all()
+    return rows
+
+
+def fmt(values: List[float]) -> str:
+    return f"{median(values):.1f} / {percentile(values, 99):.1f} / {max(values):.1f}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=20, help="trials of each (default 20)")
+    a = p.parse_args()
+    lacking = slurmcluster.missing() + ([] if shutil.which("cc") else ["cc"])
+    if lacking:
+        print(f"slurm_yield: needs {', '.join(lacking)}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu-mon-slurm-bench-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o755)
+        cluster = slurmcluster.SlurmCluster(work / "slurm")
+        try:
+            cluster.start()
+            ours = gpu_mon_trials(cluster, work, a.trials)
+            theirs = slurm_trials(cluster, work, a.trials)
+        finally:
+            left = cluster.close()
+    print(f"{a.trials} trials each; ms, p50 / p99 / max; {os.cpu_count()} CPUs")
+    print(
+        table(
+            ("who stops the scavenger job", "trigger", "-> action issued", "-> job's processes signalled"),
+            [
+                (
+                    "gpu-mon + scontrol requeue",
+                    "a process outside Slurm opens GPU 0",
+                    fmt([r[0] for r in ours]),
+                    fmt([r[1] for r in ours]),
+                ),
+                (
+                    "Slurm (partition_prio, REQUEUE)",
+                    "sbatch of a normal job needing its GPU",
+                    "-",
+                    fmt([r[0] for r in theirs]),
+                ),
+            ],
+        )
+    )
+    inner = [r[2] for r in ours if r[2] is not None]
+    if inner:
+        print(f"gpu-mon's own log: its wake on the open -> scontrol started: {fmt(inner)}")
+    print(f"Slurm alone: sbatch -> the normal job running: {fmt([r[1] for r in theirs])}")
+    if left:
+        print(f"left running and killed: {', '.join(left)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
