@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 
 from gpu_mon import config
-from gpu_mon.config import ConfigError, Defaults, GpuSelection, HistorySection, SentinelSection, TtySection
+from gpu_mon.config import (
+    ConfigError,
+    Defaults,
+    GpuSelection,
+    HistorySection,
+    SentinelSection,
+    SlurmSection,
+    TtySection,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "/etc/gpu_mon.conf"
@@ -239,6 +247,9 @@ def test_shipped_config_with_every_commented_key_enabled_is_valid():
     assert c.tty == TtySection()
     assert c.sentinel is not None and dataclasses.replace(c.sentinel, line=0) == SentinelSection()
     assert c.history == HistorySection()
+    assert c.slurm is not None and c.slurm == SlurmSection(
+        preemptible_partitions=("scavenger",), line=c.slurm.line
+    )
     (g,) = c.gpu_sections
     assert (g.gpus, g.ignore_programs, g.ignore_users, g.busy_memory_mib, g.holder_grace_seconds) == (
         GpuSelection(all=True),
