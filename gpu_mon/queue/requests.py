@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import grp
-import json
 import os
 import pwd
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.listing import Listing, iso
 from gpu_mon.queue.placement import Waiting
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, Encoded
 from gpu_mon.queue.store import Refused, Store
@@ -69,9 +69,7 @@ class Requests:
         self, store: Store, queue: QueueSection, view: Callable[[], View], changed: Callable[[], None]
     ):
         self.store, self.queue, self.view, self.changed = store, queue, view, changed
-        # Each job as `jobs` last sent it, encoded: (the job, its reason, its GPU indices, the JSON). A job
-        # is a new object whenever it changes, so a long queue's listing re-encodes only what moved.
-        self._sent: Dict[int, Tuple[Job, str, tuple, bytes]] = {}
+        self.listing = Listing()  # each job's JSON as `jobs` last sent it
 
     def answer(self, peer: Peer, req: dict) -> Union[dict, Encoded]:
         """The answer to one request (never raises for bad input)."""
@@ -213,19 +211,14 @@ class Requests:
                     more += 1
                     continue
             parts.append(self._encoded(j, view, now))
-        if len(self._sent) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
-            self._sent = {i: v for i, v in self._sent.items() if i in self.store.jobs}
+        if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
+            self.listing.keep_only(self.store.jobs)
         return Encoded(b'{"ok":true,"jobs":[%s],"more":%d}' % (b",".join(parts), more))
 
     def _encoded(self, j: Job, view: View, now: float) -> bytes:
         reason = reason_of(j, view, now)
         indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-        sent = self._sent.get(j.id)
-        if sent is not None and sent[0] is j and sent[1] == reason and sent[2] == indices:
-            return sent[3]
-        data = json.dumps(_described(j, reason, indices), separators=(",", ":")).encode("utf-8")
-        self._sent[j.id] = (j, reason, indices, data)
-        return data
+        return self.listing.encoded(j, reason, indices)
 
     # ------------------------------------------------------------------ cancel, hold, release, logs
 
@@ -334,19 +327,13 @@ def _described(j: Job, reason: str, indices: tuple) -> dict:
         "gpu_indices": list(indices),
         "gpus_wanted": j.gpus_wanted,
         "priority": j.priority,
-        "submitted": _iso(j.submitted),
-        "started": _iso(j.started),
-        "ended": _iso(j.ended),
+        "submitted": iso(j.submitted),
+        "started": iso(j.started),
+        "ended": iso(j.ended),
         "restarts": j.restarts,
         "exit_status": j.exit_status,
         "command": list(j.command),
     }
-
-
-def _iso(t: Optional[float]) -> Optional[str]:
-    if t is None:
-        return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
 def _user(uid: int) -> pwd.struct_passwd:

@@ -1,0 +1,93 @@
+"""Jobs as `jobs` sends them, encoded once: a long queue's listing is mostly a join of bytes already made.
+
+Each job's JSON is kept in three fixed pieces around the two that change without the job changing (its
+waiting reason, from the last placement, and its GPUs' indices). A Job is a new object whenever it
+changes, so `is` tells whether the pieces are still good. Strings are encoded as json.dumps does
+(ensure_ascii), so the object reads back the same.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Dict, Iterable, Optional, Tuple
+
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+
+_string = json.encoder.encode_basestring_ascii  # a JSON string, quotes included
+_ISO: Dict[int, str] = {}  # whole seconds -> local ISO time (jobs submitted in a burst share seconds)
+
+
+def iso(t: Optional[float]) -> Optional[str]:
+    """Local time as `2026-11-24T13:07:49+0000`; None stays None."""
+    if t is None:
+        return None
+    second = int(t // 1)
+    text = _ISO.get(second)
+    if text is None:
+        if len(_ISO) > 100_000:
+            _ISO.clear()
+        text = _ISO[second] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(second))
+    return text
+
+
+def _value(v: object) -> str:
+    if v is None:
+        return "null"
+    return str(v) if type(v) is int else json.dumps(v)
+
+
+def _time(t: Optional[float]) -> str:
+    text = iso(t)
+    return "null" if text is None else '"' + text + '"'
+
+
+def _strings(items: Iterable[str]) -> str:
+    return "[" + ",".join(map(_string, items)) + "]"
+
+
+def _pieces(j: Job) -> Tuple[bytes, bytes, bytes]:
+    head = (
+        f'{{"id":{_value(j.id)},"user":{_string(j.user)},"name":{_string(j.name)},'
+        f'"state":{_string(j.state)},"reason":'
+    )
+    gpus = f',"gpus":{_strings(j.gpus if j.state in J.LIVE else ())},"gpu_indices":'
+    tail = (
+        f',"gpus_wanted":{_value(j.gpus_wanted)},"priority":{_value(j.priority)},'
+        f'"submitted":{_time(j.submitted)},"started":{_time(j.started)},"ended":{_time(j.ended)},'
+        f'"restarts":{_value(j.restarts)},"exit_status":{_value(j.exit_status)},'
+        f'"command":{_strings(j.command)}}}'
+    )
+    return head.encode(), gpus.encode(), tail.encode()
+
+
+class Listing:
+    """Each job's encoded JSON, kept between listings (one thread uses it: the socket server's)."""
+
+    def __init__(self) -> None:
+        # job id -> (the job, its reason and indices when last encoded, its three pieces, the whole)
+        self._kept: Dict[int, tuple] = {}
+
+    def encoded(self, j: Job, reason: str, indices: tuple) -> bytes:
+        """The job's JSON object, as bytes."""
+        kept = self._kept.get(j.id)
+        if kept is not None and kept[0] is j:
+            if kept[1] == reason and kept[2] == indices:
+                return kept[4]
+            pieces = kept[3]
+        else:
+            pieces = _pieces(j)
+        head, gpus, tail = pieces
+        index_list = "[" + ",".join("null" if i is None else str(i) for i in indices) + "]"
+        whole = b"".join((head, _string(reason).encode(), gpus, index_list.encode(), tail))
+        self._kept[j.id] = (j, reason, indices, pieces, whole)
+        return whole
+
+    def keep_only(self, ids: Iterable[int]) -> None:
+        """Forget the jobs not in `ids` (pruned)."""
+        wanted = set(ids)
+        self._kept = {i: v for i, v in self._kept.items() if i in wanted}
+
+    def __len__(self) -> int:
+        return len(self._kept)
