@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import pytest
 import test_under_systemd as under
@@ -38,8 +38,9 @@ gpus = ALL
 grace_seconds = 3
 """
 # A job: notes who and where it is (its cgroup, its GPU, its argv) in its home, written last, and writes the
-# machine's /tmp. `stubborn`: on its first run it leaves a double-forked child that ignores SIGTERM and runs
-# until killed; `exit N`: exits N; `term`: SIGTERM ends it. After a restart `stubborn` ends at once.
+# machine's /tmp. `stubborn` holds its GPU's device node open and on its first run leaves a double-forked
+# child (holding it too) that ignores SIGTERM and runs until killed; after a restart it ends after a second.
+# `exit N`: exits N; `term`: SIGTERM ends it.
 QJOB = r"""
 import json, os, signal, sys, time
 env = os.environ
@@ -50,6 +51,10 @@ with open("/tmp/qjob-" + tag, "w") as f:
 info = {"uid": os.getuid(), "cgroup": open("/proc/self/cgroup").read().strip(), "cwd": os.getcwd(),
         "cuda": env.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv[1:], "pid": os.getpid()}
 mode = sys.argv[1]
+if mode == "stubborn":  # it uses its GPU: holds its device node open (so does its child)
+    sim = json.load(open("/srv/gpu-mon-test/sim.json"))
+    node = next(g["device"] for g in sim["gpus"] if g["uuid"] == env["CUDA_VISIBLE_DEVICES"])
+    held = open(os.path.join("/srv/gpu-mon-test", node))
 if mode == "stubborn" and restart == 0:
     r, w = os.pipe()
     if os.fork() == 0:
@@ -71,6 +76,7 @@ if mode == "exit":
 if mode == "term":
     os.kill(os.getpid(), signal.SIGTERM)
 if mode == "stubborn" and restart >= 1:
+    time.sleep(1)
     sys.exit(0)
 while True:
     time.sleep(0.1)
@@ -85,11 +91,12 @@ class Lab:
         self.box = service.box
         self.uid = uid
 
-    def submit(self, *command: str) -> int:
+    def submit(self, *command: str, options: Tuple[str, ...] = ()) -> int:
         """`gpu-mon submit` as the user, from the user's home, with the system's Python."""
         env = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME=/home/{USER}", f"USER={USER}", "LANG=C.UTF-8"]
         env += [f"PYTHONPATH={CHECKOUT}"]
-        client = ["/usr/bin/python3", "-m", "gpu_mon", "--config", CLIENT_CONF, "submit", "--json", "--"]
+        client = ["/usr/bin/python3", "-m", "gpu_mon", "--config", CLIENT_CONF, "submit", "--json", *options]
+        client += ["--"]
         argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--init-groups", *env]
         argv += ["sh", "-c", 'cd "$HOME" && exec "$@"', "sh", *client, "/usr/bin/python3", f"{SRV}/qjob.py"]
         out = self.box.run([*argv, *command]).stdout
@@ -208,15 +215,21 @@ def test_a_foreign_open_stops_every_process_of_the_job_which_runs_again(lab: Lab
     finally:
         lab.box.run(["systemctl", "stop", foreign], check=False)
     assert again["exit_status"] == 0
+    # Its own opens of its GPU (the command's, and its child's outside its session) were never someone else's.
+    stops = [line for _t, line in lab.svc.lines() if "; stopping job" in line]
+    assert len(stops) == 1 and " root python3[" in stops[0], stops
     rerun = lab.report(job, 1)
     assert rerun["cgroup"].endswith(f"/gpu-mon-job-{job}-r1.service") and rerun["cuda"] != info["cuda"]
     assert lab.box.show(unit, "ActiveState")["ActiveState"] == "inactive"
 
 
 def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(lab: Lab):
-    job = lab.submit("stubborn")
+    # A grace longer than the unit's RestartSec=5s: systemd's stop of the job outlasts it, and gpu-mon
+    # starts again only once the job's unit is gone.
+    job = lab.submit("stubborn", options=("--grace", "6"))
     info = lab.report(job, 0)
     old_main = lab.svc.show("MainPID")["MainPID"]
+    killed = time.time()
     lab.svc.systemctl("kill", "--signal=SIGKILL", UNIT)
     r0, r1 = f"gpu-mon-job-{job}-r0.service", f"gpu-mon-job-{job}-r1.service"
 
@@ -230,7 +243,7 @@ def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(la
     assert not lab.alive(info["child"]) and not lab.alive(info["pid"])
     lab.svc.wait_line(rf"^queue: job {job} was running when gpu-mon stopped: back in the queue")
     # systemd stopped it with gpu-mon, and started gpu-mon again only then (the daemon found nothing to kill).
-    restarted, _m = lab.svc.wait_line(r"^Starting gpu-mon\.service")
+    restarted, _m = lab.svc.wait_line(r"^Starting gpu-mon\.service", after=killed)
     assert stopped <= restarted, (stopped, restarted)
     assert not [line for _t, line in lab.svc.lines() if "still runs without gpu-mon" in line]
     assert lab.svc.show("MainPID")["MainPID"] != old_main
@@ -240,6 +253,17 @@ def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(la
     assert started and started[0] >= stopped, (started, stopped)  # never two runs at once
     r2 = f"gpu-mon-job-{job}-r2.service"
     assert not lab.unit_lines(r2), "the job ran a third time"
+
+
+def test_a_restart_of_gpu_mon_requeues_its_running_job(lab: Lab):
+    job = lab.submit("stubborn")
+    info = lab.report(job, 0)
+    lab.svc.systemctl("restart", UNIT)  # (systemd stops gpu-mon first, and gpu-mon its job)
+    lab.svc.wait_line(rf"^job {job}\[\d+\] stopped by SIGKILL after 3\.\d s")
+    assert not lab.alive(info["child"]) and not lab.alive(info["pid"])
+    again = lab.wait_job(job, "done", restarts=1)
+    assert again["exit_status"] == 0
+    assert lab.report(job, 1)["cgroup"].endswith(f"/gpu-mon-job-{job}-r1.service")
 
 
 def test_the_launcher_is_systemd_only_where_systemd_runs_the_machine(tmp_path: Path):
