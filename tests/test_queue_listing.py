@@ -50,3 +50,6 @@ def test_each_job_reads_back_as_its_description_and_changes_are_seen():
     assert json.loads(listing.encoded(moved, "held", ())) == _described(moved, "held", ())
     listing.keep_only([8])
     assert len(listing) == 1
+    fresh = J.released(moved)
+    listing.prepare(fresh)  # its fixed pieces made ahead: the first listing adds the reason
+    assert json.loads(listing.encoded(fresh, "waiting: x", ())) == _described(fresh, "waiting: x", ())

@@ -84,6 +84,13 @@ class Listing:
         self._kept[j.id] = (j, reason, indices, pieces, whole)
         return whole
 
+    def prepare(self, j: Job) -> None:
+        """Make the job's fixed pieces now (a daemon that starts with a long queue: its first listing
+        then only adds the reasons)."""
+        kept = self._kept.get(j.id)
+        if kept is None or kept[0] is not j:
+            self._kept[j.id] = (j, None, None, _pieces(j), b"")
+
     def keep_only(self, ids: Iterable[int]) -> None:
         """Forget the jobs not in `ids` (pruned)."""
         wanted = set(ids)

@@ -71,6 +71,11 @@ class Requests:
         self.store, self.queue, self.view, self.changed = store, queue, view, changed
         self.listing = Listing()  # each job's JSON as `jobs` last sent it
 
+    def prepare(self) -> None:
+        """Encode what `jobs` will send of every job now (the server does, before it listens)."""
+        for j in self.store.all():
+            self.listing.prepare(j)
+
     def answer(self, peer: Peer, req: dict) -> Union[dict, Encoded]:
         """The answer to one request (never raises for bad input)."""
         op = req.get("op")

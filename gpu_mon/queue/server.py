@@ -109,6 +109,10 @@ class Server:
     # ------------------------------------------------------------------ the thread
 
     def _serve(self) -> None:
+        try:
+            self.requests.prepare()  # (in this thread: a long queue never delays the daemon's start)
+        except Exception:
+            log.exception("queue: internal error preparing the listing")
         while not self._stopping:
             now = time.monotonic()
             deadline = min((c.deadline for c in self.conns.values()), default=now + 60.0)
