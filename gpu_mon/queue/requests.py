@@ -106,6 +106,7 @@ class Requests:
         except Refused as err:
             raise Bad(str(err), 1) from None
         self.changed()
+        self.listing.prepare(job)  # (after the answer is decided: the next `jobs` only adds its reason)
         return {"id": job.id, "state": job.state, "ahead": ahead}
 
     def _allowed(self, user: pwd.struct_passwd) -> None:
