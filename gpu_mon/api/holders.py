@@ -320,7 +320,8 @@ class HolderScanner:
         self.extra_nodes: Dict[Tuple[int, int], Tuple[str, str]] = {}
         self._vm_seen: Dict[str, int] = {}  # pid -> mapped pages when its maps were last read
         self._maps_turn = 0
-        self._born: Dict[str, float] = {}  # pid -> when a scan first saw it (the first scan's count as old)
+        self._scanned = False  # a complete scan has run (the processes it found first are not young)
+        self._young: Dict[str, float] = {}  # pid -> when a scan first saw it, for _YOUNG_SECONDS
         self._carry: Optional[ScanResult] = None  # what searches that stopped early read since
         self._recent: Dict[str, None] = {}  # the latest processes read as new or changed, the latest last
 
@@ -406,7 +407,7 @@ class HolderScanner:
             if self._retired.prune(self._matched, self._maps_scans):
                 self._targets = self._retired.merged(self._given)  # nothing held them: no entry changes
         if result.full:
-            self._note_born(self._cache.keys())
+            self._scanned = True
             self._take_carry(result)
         return self._result(result)
 
@@ -422,11 +423,6 @@ class HolderScanner:
         result.rescanned.add(int(pid))
         if _released(old, entry):
             result.released = True
-        if entry is not None and self._born and (old is None or old.signature != entry.signature):
-            self._recent.pop(pid, None)
-            self._recent[pid] = None
-            if len(self._recent) > _RECENT:
-                del self._recent[next(iter(self._recent))]
         if entry is None:
             self._cache.pop(pid, None)
         else:
@@ -435,6 +431,18 @@ class HolderScanner:
             self._notable.add(pid)
         else:
             self._notable.discard(pid)
+        if entry is not None and self._scanned:
+            self._note(pid, entry, old)
+
+    def _note(self, pid: str, entry: _Entry, old: Optional[_Entry]) -> None:
+        """A new process is young for a while; one read as new or changed is among the recent ones."""
+        if old is None:
+            self._young.setdefault(pid, time.monotonic())
+        if old is None or old.signature != entry.signature:
+            self._recent.pop(pid, None)
+            self._recent[pid] = None
+            if len(self._recent) > _RECENT:
+                del self._recent[next(iter(self._recent))]
 
     def changed(self, enough: Optional[Callable[[int, FrozenSet[str]], bool]] = None) -> ScanResult:
         """Read only the processes that are new or whose signature changed (full if counts are unknown).
@@ -484,19 +492,18 @@ class HolderScanner:
             return self.full()
         result = ScanResult()
         live = self._live()
-        young = time.monotonic() - _YOUNG_SECONDS
-        for pid in live:
+        since = time.monotonic() - _YOUNG_SECONDS
+        self._young = {p: t for p, t in self._young.items() if t > since and p in live}
+        holding = {p for p in self._notable if self._cache[p].gpus != _DENIED}
+        for pid in live.difference(self._cache.keys()) | holding | self._young.keys():
             entry = self._cache.get(pid)
-            if entry is not None and not _holds(entry) and self._born.get(pid, young) <= young:
-                continue
-            if self._same(pid, entry):
-                continue
-            self._update(pid, self._read(pid, False, entry), entry, result)
+            if not self._same(pid, entry):
+                self._update(pid, self._read(pid, False, entry), entry, result)
         self._gone(live, result)
         return self._result(result)
 
     def _live(self) -> Set[str]:
-        return {p for p in procfs.list_pids(self.proc) if p not in self.skip}
+        return set(procfs.list_pids(self.proc)).difference(self.skip)
 
     def _same(self, pid: str, entry: Optional[_Entry]) -> bool:
         """Whether a known process's signature is what it was (one with only a memory map is read again)."""
@@ -507,14 +514,9 @@ class HolderScanner:
 
     def _gone(self, live: Set[str], result: ScanResult) -> None:
         """Forget the processes that exited (a holder among them is released)."""
-        for pid in [p for p in self._cache if p not in live]:
+        for pid in self._cache.keys() - live:
             self._update(pid, None, self._cache[pid], result)
-        self._note_born(live)
-
-    def _note_born(self, live: Iterable[str]) -> None:
-        now = -1e18 if not self._born else time.monotonic()  # (the first scan's processes are not young)
-        born = self._born
-        self._born = {p: born.get(p, now) for p in live}
+        self._scanned = True
 
     def _likeliest(self, live: Set[str], done: Set[str]) -> List[str]:
         """Where an opener most likely is, after the recent ones (`done`): processes new since the last

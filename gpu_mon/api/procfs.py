@@ -82,7 +82,7 @@ def list_pids(proc: str = PROC) -> Iterator[str]:
         names = os.listdir(proc)
     except OSError:
         return iter(())
-    return (n for n in names if n.isdigit())
+    return filter(str.isdigit, names)
 
 
 def last_pid(proc: str = PROC) -> Optional[int]:

@@ -225,6 +225,7 @@ class Daemon:
 
     def _handle(self, ready: List[tuple], now: float) -> None:
         self.wake_at, self.wake_by_open = now, False
+        self.sent_first.clear()  # (a round that raised may have left some)
         exits = False
         for kind, name in ready:
             if kind == "inotify":
