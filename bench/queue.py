@@ -4,7 +4,9 @@
     sudo python bench/queue.py [--jobs 10000] [--baseline REF] [--trials 5] [--hostile 1000]
 
 For this checkout and for --baseline (a git ref of this checkout, extracted and run the same way; '' for
-none), a real `gpu-mon run` (root) with a [queue] on two simulated GPUs that someone else holds. We submit
+none), a real `gpu-mon run` (root) with a [queue] on two simulated GPUs that someone else holds; both
+daemons run at once and every measurement is taken of each in turn (one submit to each, one command of
+each...), so that other work on the machine weighs on both alike. We submit
 --jobs jobs through the socket as `gpu-mon submit` does (one connection, one request, the answer: the job
 is committed to SQLite with synchronous=FULL first), each `--after` a held job, so that all stay queued
 and the placement goes over every one of them each time. Measured:
@@ -242,26 +244,47 @@ class Run:
             h.wait()
 
 
-def measure(run: Run, jobs: int, trials: int, hostile: int) -> Dict[str, object]:
-    """Every figure for one version."""
-    run.submit(["true", "blocker"], hold=True)  # job 1: every other job waits --after it
-    times = [run.submit(["true", str(i)], after=[1]) for i in range(jobs)]
-    first, last = times[: min(200, jobs)], times[-min(1000, jobs) :]
-    _wait(lambda: "just submitted" not in (run.job(jobs + 1)["reason"] or ""), 30, "the placement")
-    run.command("jobs")  # (warm-up: compiles the version's modules)
-    table = [run.command("jobs") for _ in range(5)]
-    as_json = [run.command("jobs", "--json") for _ in range(5)]
-    starts = [run.start_after_free() - run.delay for _ in range(trials)]
-    quiet = [run.submit(["true", "quiet"], after=[1]) for _ in range(200)]
-    loud = _with_hostile(run, hostile, lambda: [run.submit(["true", "loud"], after=[1]) for _ in range(200)])
-    return {
-        "submit_0": (statistics.median(first), pct(first, 99)),
-        "submit_n": (statistics.median(last), pct(last, 99)),
-        "jobs_table": (statistics.median(table), max(table)),
-        "jobs_json": (statistics.median(as_json), max(as_json)),
-        "start": (statistics.median(starts), max(starts)),
-        "hostile": (pct(quiet, 99), pct(loud, 99)),
-    }
+def measure(runs: List[Run], jobs: int, trials: int, hostile: int) -> List[Dict[str, object]]:
+    """Every figure for each version, taken in turns (one submit, one command, one trial of each version
+    after the other): a load that comes and goes on the machine falls on all of them alike."""
+    for run in runs:
+        run.submit(["true", "blocker"], hold=True)  # job 1: every other job waits --after it
+    times: List[List[float]] = [[] for _ in runs]
+    for i in range(jobs):
+        for run, out in zip(runs, times):
+            out.append(run.submit(["true", str(i)], after=[1]))
+    for run in runs:
+        _wait(lambda r=run: "just submitted" not in (r.job(jobs + 1)["reason"] or ""), 30, "the placement")
+        run.command("jobs")  # (warm-up: compiles the version's modules)
+    table = _turns(runs, 5, lambda r: r.command("jobs"))
+    as_json = _turns(runs, 5, lambda r: r.command("jobs", "--json"))
+    starts = _turns(runs, trials, lambda r: r.start_after_free() - r.delay)
+    quiet = _turns(runs, 200, lambda r: r.submit(["true", "quiet"], after=[1]))
+    out = []
+    for run, every, tab, js, st, qu in zip(runs, times, table, as_json, starts, quiet):
+        first, last = every[: min(200, jobs)], every[-min(1000, jobs) :]
+        loud = _with_hostile(
+            run, hostile, lambda r=run: [r.submit(["true", "loud"], after=[1]) for _ in range(200)]
+        )
+        out.append(
+            {
+                "submit_0": (statistics.median(first), pct(first, 99)),
+                "submit_n": (statistics.median(last), pct(last, 99)),
+                "jobs_table": (statistics.median(tab), max(tab)),
+                "jobs_json": (statistics.median(js), max(js)),
+                "start": (statistics.median(st), max(st)),
+                "hostile": (pct(qu, 99), pct(loud, 99)),
+            }
+        )
+    return out
+
+
+def _turns(runs: List[Run], count: int, one) -> List[List[float]]:
+    out: List[List[float]] = [[] for _ in runs]
+    for _ in range(count):
+        for run, values in zip(runs, out):
+            values.append(one(run))
+    return out
 
 
 def _with_hostile(run: Run, count: int, work):
@@ -356,16 +379,17 @@ def main() -> int:
         )
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
         versions.append((f"baseline {a.baseline}", old))
-    results: Dict[str, Dict[str, object]] = {}
+    runs: List[Run] = []
     try:
-        for i, (label, code) in enumerate(versions):
-            print(f"{label}: submitting {a.jobs} jobs...", file=sys.stderr, flush=True)
-            run = Run(work, f"v{i}", code, a.start_delay)
-            try:
-                results[label] = measure(run, a.jobs, a.trials, a.hostile)
-            finally:
-                run.close()
+        for i, (_label, code) in enumerate(versions):
+            runs.append(Run(work, f"v{i}", code, a.start_delay))
+        print(
+            f"submitting {a.jobs} jobs to each of {len(runs)} daemons in turn...", file=sys.stderr, flush=True
+        )
+        results = dict(zip((label for label, _ in versions), measure(runs, a.jobs, a.trials, a.hostile)))
     finally:
+        for run in runs:
+            run.close()
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps(results))
