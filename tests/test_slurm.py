@@ -22,7 +22,7 @@ from conftest import UUIDS, foreign_opener_cmd, wait_for, workload_cmd
 
 from gpu_mon import config
 from gpu_mon.api.procfs import read_stat
-from gpu_mon.slurm import procs
+from gpu_mon.slurm import control, procs
 from gpu_mon.slurm.decide import Use, decide
 from gpu_mon.slurm.jobs import JobInfo, Preemptible, parse_job
 
@@ -85,6 +85,16 @@ def test_preemptible_by_partition_or_by_qos():
     assert by_part(JobInfo(1, partition="scavenger")) and not by_part(JobInfo(1, partition="normal"))
     assert by_part(JobInfo(1, partition="normal,scavenger"))  # a pending job may name several
     assert by_qos(JobInfo(1, partition="normal", qos="low")) and not by_qos(JobInfo(1, qos=""))
+
+
+def test_what_a_failed_call_means():
+    assert control.classify(0, "") == control.OK
+    # An earlier call that timed out did reach Slurm: the job is back in the queue, as wanted.
+    assert control.classify(1, "Job is pending execution for job 5") == control.OK
+    for text in ("Unable to contact slurm controller (connect failure)", "Socket timed out on send/recv"):
+        assert control.classify(1, f"slurm_load_jobs error: {text}") == control.UNREACHABLE
+    assert control.classify(1, "scontrol: error: Invalid job id specified") == control.GONE
+    assert control.classify(1, "Access/permission denied") == control.FAILED
 
 
 # ---------------------------------------------------------------------------------------------- decide
@@ -274,8 +284,10 @@ def test_a_scavenger_job_is_requeued_when_someone_opens_its_gpu_and_avoids_the_n
         requeued = time.monotonic()
         wait_for(lambda: slurm.job(job).get("Restarts") == "1", 20, "Restarts=1")
         wait_for(lambda: [e for e in events(log) if e[0] == "term"], 20, "Slurm's SIGTERM in the job")
-        info = slurm.job(job)
-        assert (info["JobState"], info["ExcNodeList"]) == ("PENDING", "localhost")
+        pending = ("PENDING", "localhost")  # (COMPLETING for a moment after the requeue)
+        wait_for(
+            lambda: (slurm.job(job)["JobState"], slurm.job(job)["ExcNodeList"]) == pending, 20, "pending"
+        )
         # Slurm may start it at once (no waiting for its begin time): it does not, on this node.
         slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
         _stop(opener)
@@ -302,7 +314,12 @@ def test_with_a_signal_the_job_checkpoints_before_the_requeue(slurm, daemon_fact
         d.wait_log(rf"slurm: job {job}: signal done")
         d.wait_log(rf"slurm: job {job}: requeue done")
         wait_for(lambda: slurm.job(job).get("Restarts") == "1", 20, "Restarts=1")
-        seen = wait_for(lambda: [e for e in events(log) if e[0] in ("usr1", "term")][:2], 20, "usr1, term")
+
+        def both() -> list:
+            found = [e for e in events(log) if e[0] in ("usr1", "term")]
+            return found if len(found) >= 2 else []
+
+        seen = wait_for(both, 20, "usr1, then term")
     finally:
         _stop(opener)
     assert [e[0] for e in seen] == ["usr1", "term"]  # the checkpoint first

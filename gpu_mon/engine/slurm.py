@@ -32,6 +32,7 @@ from gpu_mon.slurm.view import Action, JobOnGpus, SlurmReport
 log = logging.getLogger("gpu_mon")
 
 FORGET_SECONDS = 60.0  # a job not seen on a GPU for this long is looked up again when it comes back
+RETRY_SECONDS = 1.0  # a failed action is asked for again after this long (each round, at most this often)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class _Acting:
     stage: str  # signal (grace running), action (under way), retry (failed: again next round), done
     due: float = 0.0  # stage signal: when the action goes out
     signalled: bool = False
+    failed: bool = False  # a call failed (said once)
 
 
 class Slurm:
@@ -111,10 +113,16 @@ class Slurm:
             self.seen[job] = now
             if job not in self.jobs and job not in self.looking:
                 self._lookup(job, now)
-        settled = frozenset(j for j, a in self.acting.items() if a.stage != "retry")
+        settled = frozenset(j for j, a in self.acting.items() if a.stage != "retry" or now < a.due)
         preemptible = Preemptible(self.rule.preemptible_partitions, self.rule.preemptible_qos)
-        for act in decide(uses, self.jobs, preemptible, settled):
+        acts = decide(uses, self.jobs, preemptible, settled)
+        for act in acts:
             self._begin(act, index_of, wake, by_open, now)
+        asked = {a.job for a in acts}
+        for job in [
+            j for j, a in self.acting.items() if a.stage == "retry" and now >= a.due and j not in asked
+        ]:
+            del self.acting[job]  # the use is over: nothing to ask again (a new one starts afresh)
         self.tick(now)
         self._forget(now)
 
@@ -146,7 +154,7 @@ class Slurm:
 
     def next_wake(self) -> Optional[float]:
         """When `tick` has something to do."""
-        due = [a.due for a in self.acting.values() if a.stage == "signal"]
+        due = [a.due for a in self.acting.values() if a.stage in ("signal", "retry")]
         due += [d for d, _own in self.lifts.values()]
         return min(due, default=None)
 
@@ -183,11 +191,13 @@ class Slurm:
     def _begin(self, act: Act, index_of: Mapping[str, int], wake: float, by_open: bool, now: float) -> None:
         info = self.jobs[act.job]
         old = self.acting.get(act.job)
-        a = _Acting(
-            act, info, self._node(act.job), wake, by_open, "action", signalled=bool(old and old.signalled)
-        )
+        if old is not None:  # a retry (said when first asked for, and at the first failure); no new signal
+            old.act = act
+            self._action(act.job, old, now)
+            return
+        a = _Acting(act, info, self._node(act.job), wake, by_open, "action")
         self.acting[act.job] = a
-        what = self.rule.action if a.signalled or self.rule.signal is None else "signal"
+        what = self.rule.action if self.rule.signal is None else "signal"
         log.info(
             "slurm: %s on %s, which job %d holds (%s, partition %s%s): %s",
             act.by.label,
@@ -293,8 +303,8 @@ class Slurm:
             log.info("slurm: job %d: %s done (%s; %.0f ms)", job, kind, took, (r.done - r.issued) * 1000)
         elif r.result == C.GONE:
             log.info("slurm: job %d: %s: the job has ended (%s)", job, kind, r.error)
-        elif r.result == C.FAILED:
-            log.warning("slurm: job %d: %s failed: %s", job, kind, r.error)
+        elif r.result == C.FAILED and not a.failed:
+            log.warning("slurm: job %d: %s failed: %s; trying again each round", job, kind, r.error)
         if kind == "signal":
             return  # the action follows when the grace is over (tick)
         if r.result in (C.OK, C.GONE):
@@ -302,7 +312,8 @@ class Slurm:
             if r.result == C.OK and kind == "requeue" and self.rule.avoid_node_seconds > 0:
                 self.lifts[job] = (self.clock() + self.rule.avoid_node_seconds, a.info.exc_nodes)
         else:
-            a.stage = "retry"  # again next round, if the use goes on
+            a.stage, a.due = "retry", self.clock() + RETRY_SECONDS  # again, if the use goes on
+            a.failed = a.failed or r.result == C.FAILED
 
     # ------------------------------------------------------------------ outputs
 

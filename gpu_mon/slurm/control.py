@@ -25,6 +25,8 @@ _UNREACHABLE = (
     "communication connection failure",
 )
 _GONE = ("invalid job id", "job has already finished", "already completing or completed")
+# The job is already back in the queue (an earlier call that timed out did reach Slurm): what was wanted.
+_ALREADY = ("job is pending execution",)
 OK, FAILED, UNREACHABLE, GONE = "ok", "failed", "unreachable", "gone"
 
 
@@ -59,6 +61,8 @@ def classify(returncode: int, stderr: str) -> str:
     if returncode == 0:
         return OK
     low = stderr.lower()
+    if any(m in low for m in _ALREADY):
+        return OK
     if any(m in low for m in _UNREACHABLE):
         return UNREACHABLE
     return GONE if any(m in low for m in _GONE) else FAILED
