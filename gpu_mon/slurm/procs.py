@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from gpu_mon.api.procfs import PROC, read_stat
 
@@ -83,6 +83,7 @@ class JobMembers:
     def __init__(self, proc: str = PROC, depth: int = 64) -> None:
         self.proc, self.depth = proc, depth
         self.cache: Dict[Tuple[int, int], Optional[Member]] = {}
+        self.clean: Set[Tuple[int, int]] = set()  # processes with no slurmstepd among their ancestors
 
     def of(self, pid: int, start_ticks: int) -> Optional[Member]:
         """The job this process belongs to, or None (not a job's, or gone)."""
@@ -108,17 +109,26 @@ class JobMembers:
         return Member(job=job, node=env.get("SLURMD_NODENAME", ""), how=how)
 
     def _by_ancestry(self, pid: int) -> Optional[int]:
-        chain = [pid]
+        """One read of /proc/PID/stat per ancestor, up to the first slurmstepd, or to an ancestor already
+        known to have none above it (most of a round's new processes share their ancestors)."""
+        walked: List[Tuple[int, int]] = []
+        p = pid
         for _ in range(self.depth):
-            st = read_stat(chain[-1], self.proc)
-            if st is None or st.ppid <= 1:
+            st = read_stat(p, self.proc)
+            if st is None or (st.pid, st.start_ticks) in self.clean:
                 break
-            chain.append(st.ppid)
-        for p in chain:
-            is_stepd, job = _stepd_job(p, self.proc)
-            if is_stepd:
-                if job is not None:
-                    return job
-                env = read_environ(pid, ("SLURM_JOB_ID",), self.proc)
-                return _int(env.get("SLURM_JOB_ID", ""))
+            if st.comm == "slurmstepd":
+                is_stepd, job = _stepd_job(p, self.proc)
+                if is_stepd:
+                    if job is not None:
+                        return job
+                    env = read_environ(pid, ("SLURM_JOB_ID",), self.proc)
+                    return _int(env.get("SLURM_JOB_ID", ""))
+            walked.append((st.pid, st.start_ticks))
+            if st.ppid <= 1:
+                break
+            p = st.ppid
+        if len(self.clean) > 100_000:
+            self.clean.clear()
+        self.clean.update(walked)
         return None
