@@ -364,6 +364,8 @@ class Daemon:
         again, as in every round); the round after the rest of the scan logs them with the whole picture."""
         plan = self._ensure_plan()
         snap = self._snapshot(now, quick=True)
+        if self.slurm is not None:  # a preemptible Slurm job on that GPU: Slurm is asked first, too
+            self.slurm.round(snap, plan.rules, plan.index_of, self.wake_at, True)
         decision = policy.decide(self.config, plan, snap, self.state)
         stops = tuple(a for a in decision.actions if isinstance(a, Stop) and _urgent(a))
         if not stops:
