@@ -57,7 +57,7 @@ def test_check_bad_config_lists_every_error(tmp_path, sim):
         f"{path}:2: [gpu-all] gpus: 'x' is not a GPU index or UUID",
         f"{path}:3: [process-m] cmd: missing (the command to run)",
         f"{path}:5: [tyy]: unknown section (did you mean [tty]?); known: [defaults], [tty], "
-        "[sentinel], [history], [metrics], [occupy], [queue], [gpu-NAME], [process-NAME]",
+        "[sentinel], [history], [metrics], [occupy], [queue], [slurm], [gpu-NAME], [process-NAME]",
     ]
     no_traceback(r)
 
