@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -264,7 +265,8 @@ def test_a_scavenger_job_is_requeued_when_someone_opens_its_gpu_and_avoids_the_n
     log = tmp_path / "job.log"
     job = slurm.submit("scavenger", 0, log)
     _started(log)
-    d = daemon_factory(_section(), env=slurm.env)
+    prom = tmp_path / "gpu_mon.prom"
+    d = daemon_factory(_section() + f"[metrics]\ntextfile = {prom}\n", env=slurm.env)
     entry = _described(d, job, 0, True)
     assert (entry["user"], entry["partition"]) == ("root", "scavenger")
     assert (
@@ -300,6 +302,15 @@ def test_a_scavenger_job_is_requeued_when_someone_opens_its_gpu_and_avoids_the_n
     assert len([e for e in events(log) if e[0] == "start"]) == 2
     metrics = d.state().get("slurm") or {}
     assert {"action": "requeue", "result": "ok", "count": 1} in metrics.get("calls", [])
+    sample = 'gpu_mon_slurm_actions_total{action="requeue",result="ok"} 1.0'
+    wait_for(lambda: prom.exists() and sample in prom.read_text(), 10, "the metric in the textfile")
+    assert "gpu_mon_slurm_unreachable 0.0" in prom.read_text()
+    assert d.stop() == 0  # (the history is written at the latest when the daemon stops)
+    with contextlib.closing(sqlite3.connect(tmp_path / "history.sqlite")) as db:
+        rows = db.execute("SELECT uuid, workload, who, detected_by FROM preemptions").fetchall()
+    assert rows == [
+        (UUIDS[0], f"Slurm job {job} (root, scavenger): requeue", f"root python3[{opener.pid}]", "open")
+    ]
 
 
 def test_with_a_signal_the_job_checkpoints_before_the_requeue(slurm, daemon_factory, tmp_path):
