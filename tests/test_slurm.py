@@ -402,3 +402,22 @@ def test_check_verifies_the_commands_the_partitions_and_says_what_it_cannot(slur
     assert "scavenger'" not in bad.stderr
     qos = check(_section(preemptible_qos="low"))  # no accounting here: said, not an error
     assert qos.returncode == 0 and "[slurm] preemptible_qos: cannot list Slurm's QOS" in qos.stderr
+
+
+def test_our_workload_yields_to_a_scavenger_job_which_does_not_yield_to_it(slurm, daemon_factory, tmp_path):
+    # It holds GPU 0 and ignores SIGTERM: still there for 2 s after the job's open, long after Slurm has
+    # described the job (a requeue for its sake would come in that time).
+    cmd = workload_cmd(tmp_path, "--hold", slurm.devices[0], "--ignore-term")
+    miner = f"[process-miner]\ncmd = {cmd}\ngpus = 0\nuser = root\nurgent_stop_timeout_seconds = 2\n"
+    body = _section() + miner
+    d = daemon_factory(body, env=slurm.env)
+    d.wait_running("miner")
+    log = tmp_path / "job.log"
+    job = slurm.submit("scavenger", 0, log)
+    _started(log)
+    d.wait_log(r"GPU 0 .*busy: root python3\[\d+\] holds .*; stopping miner")
+    _described(d, job, 0, True)
+    wait_for(lambda: d.workload("miner").get("state") not in ("running", "stopping"), 20, "the miner gone")
+    d.wait_log(r"miner\[\d+\] .*SIGKILL")  # (it held GPU 0 for its whole grace)
+    assert slurm.job(job)["JobState"] == "RUNNING" and slurm.job(job)["Restarts"] == "0"
+    assert "requeueing it" not in d.log()  # gpu-mon's own workload is not someone else's use
