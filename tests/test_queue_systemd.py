@@ -10,15 +10,21 @@ Outside the container (no systemd as PID 1 here) the direct path is chosen: test
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
+import psutil
 import pytest
 import test_under_systemd as under
 from conftest import wait_for
-from test_under_systemd import CHECKOUT, OPENER, SRV, UNIT, Service, _gpu_mon, _write_config
+from test_under_systemd import CHECKOUT, OPENER, SIM, SRV, UNIT, Service, _gpu_mon, _write_config
 
 from gpu_mon.engine.workloads import transient
 
@@ -264,6 +270,53 @@ def test_a_restart_of_gpu_mon_requeues_its_running_job(lab: Lab):
     again = lab.wait_job(job, "done", restarts=1)
     assert again["exit_status"] == 0
     assert lab.report(job, 1)["cgroup"].endswith(f"/gpu-mon-job-{job}-r1.service")
+
+
+def test_a_unit_systemd_refuses_fails_the_job_with_the_reason_in_the_log(lab: Lab):
+    blocker = "gpu-mon-job-1-r0.service"  # the name the next job's first run takes, already in use
+    lab.box.run(["systemd-run", "--collect", f"--unit={blocker}", "sleep", "60"])
+    try:
+        job = lab.submit("exit", "0")
+        assert job == 1
+        failed = lab.wait_job(job, "failed")
+    finally:
+        lab.box.run(["systemctl", "stop", blocker], check=False)
+    assert failed["exit_status"] == 126
+    lab.svc.wait_line(rf"^job {job}\[\d+\]: Failed to start transient service unit: .*{blocker}")
+    lab.svc.wait_line(rf"^queue: job {job} of {USER} could not start .*: failed$")
+    assert not lab.home(f"qjob-{job}-0.json").exists()
+
+
+def test_a_daemon_outside_any_unit_that_dies_has_its_leader_stop_the_job(lab: Lab, tmp_path: Path):
+    lab.svc.systemctl("stop", UNIT)
+    log = tmp_path / "daemon.log"
+    path = ":".join([CHECKOUT] + [f"{CHECKOUT}-site{i}" for i in range(len(under._site_dirs()))])
+    env = ["env", "-i", f"GPU_MON_SIM={SIM}", f"PYTHONPATH={path}", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+    argv = ["nsenter", "-t", str(lab.box.pid), "-a", *env, os.path.realpath(sys.executable), "-m", "gpu_mon"]
+    with open(log, "wb") as out:
+        plain = subprocess.Popen([*argv, "run"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "queue: listening" in log.read_text(), 20, "the daemon's queue")
+        assert (
+            "queue: jobs run as transient units in gpu_mon_jobs.slice\n" in log.read_text()
+        )  # bound to none
+        job = lab.submit("stubborn")
+        info = lab.report(job, 0)
+        (daemon,) = [
+            p
+            for p in psutil.Process(plain.pid).children(recursive=True)
+            if p.cmdline()[-2:] == ["gpu_mon", "run"]
+        ]
+        daemon.kill()
+        # Its leader, left behind, stops the job with its stop signal and its grace (3 s), then SIGKILL.
+        gone = lambda: not lab.alive(info["child"]) and not lab.alive(info["pid"])  # noqa: E731
+        wait_for(gone, 3 + 5, "the job's processes gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(plain.pid, signal.SIGKILL)
+        plain.wait()
+    lab.svc.systemctl("start", UNIT)
+    assert lab.wait_job(job, "done", restarts=1)["exit_status"] == 0
 
 
 def test_the_launcher_is_systemd_only_where_systemd_runs_the_machine(tmp_path: Path):

@@ -405,7 +405,7 @@ class Queue:
         argv = transient.command(
             name, what, direct.argv, env, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to
         )
-        unit = Unit(name, transient.unit_group(name))
+        unit = Unit(name, transient.unit_group(name), bound=self.bind_to is not None)
         return Launch(argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit)
 
     def _orphans_gone(self) -> None:

@@ -22,7 +22,8 @@ when the command cannot be run).
 A transient unit (`unit_cgroup` in the spec, transient.py): the command is `systemd-run --wait`, and the
 workload's processes are the unit's, not ours. Every step of a stop then goes to the processes in the unit's
 group (never to the client, whose exit is the unit's end), the SIGKILL is the group's `cgroup.kill`, and
-the leader stays until the group is empty.
+the leader stays until the group is empty. When the daemon dies, a unit bound to the daemon's own unit is
+left to systemd, which stops it.
 
 It imports only the standard library, gpu_mon.api.procfs and linux.py, so it starts in tens of milliseconds.
 """
@@ -73,6 +74,7 @@ class Leader:
         self.term_pending = False  # the stop signal was not SIGTERM: SIGTERM comes when its grace is over
         self.cgroup: Optional[str] = spec.get("cgroup")
         self.unit: Optional[str] = spec.get("unit_cgroup")
+        self.unit_bound = bool(spec.get("unit_bound"))  # systemd stops the unit when the daemon's unit stops
         self.unit_kills = 0  # SIGKILL rounds on a unit's group that is still populated
         self.child: Optional[subprocess.Popen] = None
         self.main_status: Optional[int] = None
@@ -117,6 +119,10 @@ class Leader:
     def begin_stop(self, daemon_alive: bool = True) -> None:
         """SIGTERM, then SIGCONT (a stopped process must wake to see it), to every descendant; or, when the
         daemon has died and the workload has a stop signal of its own, that signal to the group first."""
+        if not daemon_alive and self.unit_bound:
+            # systemd stops the unit with the daemon's own (its stop orders the daemon's restart after the
+            # unit's end); a stop from here first would make that an end of the unit's own, not ordered.
+            return
         if self.deadline is None:
             # While the daemon lives it escalates (and says so); we follow a second later, as a backstop.
             backstop = 1.0 if daemon_alive and self.main_status is None else 0.0

@@ -229,6 +229,7 @@ class Supervisor:
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
             "cgroup": self._contain(popen.pid, label),
             "unit_cgroup": launch.unit.group if launch.unit is not None else None,
+            "unit_bound": launch.unit is not None and launch.unit.bound,
         }
         _send_spec(popen, spec)
         w = Workload(

@@ -154,9 +154,10 @@ def command(
 class Unit:
     """One running job's unit, as its workload's stop and end see it."""
 
-    def __init__(self, name: str, group: Optional[str]) -> None:
+    def __init__(self, name: str, group: Optional[str], bound: bool = False) -> None:
         self.name = name
         self.group = group
+        self.bound = bound  # systemd stops it with gpu-mon's own unit (command()'s bind_to)
         self.status: Optional[int] = None  # the main process's end, as systemd-run reported it
         self.helper: Optional[subprocess.Popen] = None  # the last `systemctl kill`
 
