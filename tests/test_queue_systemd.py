@@ -206,7 +206,12 @@ def test_a_foreign_open_stops_every_process_of_the_job_which_runs_again(lab: Lab
     lab.box.run(["systemd-run", "--collect", f"--unit={foreign}", "/usr/bin/python3", "-c", OPENER, device])
     try:
         began = time.monotonic()
-        lab.svc.wait_line(rf"busy: root python3\[\d+\] holds {device}; stopping job {job}$")
+        _t, opened = lab.svc.wait_line(r"^opened at ([\d.]+)$", unit=foreign)
+        stopping, _m = lab.svc.wait_line(rf"busy: root python3\[\d+\] holds {device}; stopping job {job}$")
+        # (the line is written just after the stop signal went to every process in the job's unit)
+        latency = stopping - float(opened.group(1))
+        print(f"foreign open to the job's stop signal: {latency * 1000:.0f} ms (journal time)")
+        assert latency < 5.0, f"{latency:.3f} s from the open to the stop"
         # The child ignores SIGTERM and left the job's session: the unit's group reaches it after the grace.
         kill = rf"^job {job}\[\d+\] still running 3\.\d s after SIGTERM; killing every process of {unit}"
         lab.svc.wait_line(kill)
