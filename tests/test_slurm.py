@@ -317,7 +317,7 @@ def test_with_a_signal_the_job_checkpoints_before_the_requeue(slurm, daemon_fact
     log = tmp_path / "job.log"
     job = slurm.submit("scavenger", 0, log)
     _started(log)
-    d = daemon_factory(_section(signal="USR1", signal_grace_seconds=1), env=slurm.env)
+    d = daemon_factory(_section(signal="USR1", signal_grace_seconds=1, avoid_node_seconds=600), env=slurm.env)
     _described(d, job, 0, True)
     opener = _opener(slurm.devices[0])
     try:
@@ -336,6 +336,11 @@ def test_with_a_signal_the_job_checkpoints_before_the_requeue(slurm, daemon_fact
     assert [e[0] for e in seen] == ["usr1", "term"]  # the checkpoint first
     assert (int(seen[1][-1]) - int(seen[0][-1])) / 1e9 >= 0.9  # then the grace
     assert len(d.wait_log(rf"which job {job} holds")) == 1
+    # gpu-mon stops within avoid_node_seconds: the job gets its own excluded nodes back at once.
+    wait_for(lambda: slurm.job(job).get("ExcNodeList") == "localhost", 20, "the exclusion")
+    assert d.stop() == 0
+    assert slurm.job(job)["ExcNodeList"] == "(null)"
+    d.wait_log(rf"slurm: job {job} may use this node again")
 
 
 def test_a_normal_job_stops_our_workload_and_leaves_the_scavenger_job_alone(slurm, daemon_factory, tmp_path):

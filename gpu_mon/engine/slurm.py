@@ -346,7 +346,16 @@ class Slurm:
         self.rule = rule
 
     def close(self) -> None:
-        """Stop the call threads."""
+        """gpu-mon stops (or [slurm] is removed): the jobs still kept off this node get their own excluded
+        nodes back now (no one would lift them later), each call waited for at most timeout_seconds."""
+        for job, (_due, own) in sorted(self.lifts.items()):
+            argv = [self.rule.scontrol, "update", f"JobId={job}", f"ExcNodeList={own}"]
+            code, text = C.ask(argv, self.rule.timeout_seconds)
+            if code == 0:
+                log.info("slurm: job %d may use this node again", job)
+            elif C.classify(code, text) != C.GONE:
+                log.warning("slurm: job %d: cannot lift its exclusion of this node: %s", job, text)
+        self.lifts.clear()
         self.control.close()
 
 

@@ -198,8 +198,9 @@ def _found(program: str) -> bool:
     return shutil.which(program) is not None
 
 
-def _ask(argv: List[str], timeout: float) -> Tuple[int, str]:
-    """Run one command now (for `check`): (exit status, its output, or why it failed)."""
+def ask(argv: List[str], timeout: float) -> Tuple[int, str]:
+    """Run one command now, in this thread (`check`, a stopping daemon): (exit status, its output, or why
+    it failed)."""
     try:
         p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -219,18 +220,18 @@ def probe(
            for key, prog in (("scontrol", scontrol), ("scancel", scancel)) if not _found(prog)]  # fmt: skip
     if any(key == "scontrol" for key, _w, _e in out):
         return out
-    code, text = _ask([scontrol, "ping"], timeout)
+    code, text = ask([scontrol, "ping"], timeout)
     if code != 0 or " is UP" not in text:
         out.append(("scontrol", f"Slurm does not answer `scontrol ping`: {_one_line(text)}", True))
         return out
     for name in partitions:
-        code, text = _ask([scontrol, "show", "partition", "-o", name], timeout)
+        code, text = ask([scontrol, "show", "partition", "-o", name], timeout)
         if code != 0 or f"PartitionName={name} " not in text + " ":
             out.append(("preemptible_partitions", f"Slurm has no partition {name!r}", True))
     if qos:
         sacctmgr = os.path.join(os.path.dirname(scontrol), "sacctmgr") if "/" in scontrol else "sacctmgr"
         code, text = (
-            _ask([sacctmgr, "-n", "-P", "show", "qos", "format=name"], timeout)
+            ask([sacctmgr, "-n", "-P", "show", "qos", "format=name"], timeout)
             if _found(sacctmgr)
             else (1, "")
         )
