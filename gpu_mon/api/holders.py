@@ -321,6 +321,10 @@ class HolderScanner:
         self._vm_seen: Dict[str, int] = {}  # pid -> mapped pages when its maps were last read
         self._maps_turn = 0
         self._scanned = False  # a complete scan has run (the processes it found first are not young)
+        self._last_pid: Optional[int] = None  # the kernel's last pid at the last listing of /proc ...
+        self._pids: Set[str] = set()  # ... and the pids it listed
+        # That last pid counts the pids of our own pid namespace: is /proc that of our namespace?
+        self._own_proc = _proc_self(proc) == os.getpid()
         self._young: Dict[str, float] = {}  # pid -> when a scan first saw it, for _YOUNG_SECONDS
         self._carry: Optional[ScanResult] = None  # what searches that stopped early read since
         self._recent: Dict[str, None] = {}  # the latest processes read as new or changed, the latest last
@@ -386,6 +390,7 @@ class HolderScanner:
         the others in turn (reading every map costs ~350 ms at 1000 processes: too long a stall)."""
         if pids is None:
             old_cache, self._cache = self._cache, {}
+            self._last_pid = None  # (the next light look lists /proc again)
             self._notable = set()
             pids = procfs.list_pids(self.proc)
             result = ScanResult(full=True)
@@ -469,9 +474,18 @@ class HolderScanner:
         self, pids: Iterable[str], enough: Optional[Callable[[int, FrozenSet[str]], bool]], result: ScanResult
     ) -> bool:
         """Read those of these processes that are new or changed; True at the first that `enough` accepts."""
+        cache, fd_stat, proc = self._cache, os.stat, self.proc
         for pid in pids:
-            entry = self._cache.get(pid)
-            if self._same(pid, entry):
+            entry = cache.get(pid)
+            if entry is not None and not entry.mapped and not entry.private:  # nearly all: _same, inlined
+                try:
+                    st = fd_stat(f"{proc}/{pid}/fd")
+                except OSError:
+                    pass
+                else:
+                    if entry.signature == (st.st_ino, st.st_ctime_ns, st.st_size):
+                        continue
+            elif self._same(pid, entry):
                 continue
             new = self._read(pid, False, entry)
             self._update(pid, new, entry, result)
@@ -491,7 +505,7 @@ class HolderScanner:
         if not self.incremental or not self._cache:
             return self.full()
         result = ScanResult()
-        live = self._live()
+        live = self._live(reuse=True)
         since = time.monotonic() - _YOUNG_SECONDS
         self._young = {p: t for p, t in self._young.items() if t > since and p in live}
         holding = {p for p in self._notable if self._cache[p].gpus != _DENIED}
@@ -502,8 +516,14 @@ class HolderScanner:
         self._gone(live, result)
         return self._result(result)
 
-    def _live(self) -> Set[str]:
-        return set(procfs.list_pids(self.proc)).difference(self.skip)
+    def _live(self, reuse: bool = False) -> Set[str]:
+        """The pids in /proc; with `reuse`, those of the last listing when the kernel has handed out no pid
+        since (no process or thread started: one that exited is noticed by reading it, or later)."""
+        last = procfs.last_pid(self.proc)
+        if reuse and self._own_proc and last is not None and last == self._last_pid:
+            return self._pids
+        self._last_pid, self._pids = last, set(procfs.list_pids(self.proc)).difference(self.skip)
+        return self._pids
 
     def _same(self, pid: str, entry: Optional[_Entry]) -> bool:
         """Whether a known process's signature is what it was (one with only a memory map is read again)."""
@@ -557,6 +577,14 @@ class HolderScanner:
                 result.held[int(pid)] = entry.gpus  # type: ignore[assignment]
                 result.nodes[int(pid)] = entry.nodes
         return result
+
+
+def _proc_self(proc: str) -> Optional[int]:
+    """The pid /proc/self names (ours, when that /proc is our pid namespace's), or None."""
+    try:
+        return int(os.readlink(f"{proc}/self"))
+    except (OSError, ValueError):
+        return None
 
 
 def _holds(entry: Optional[_Entry]) -> bool:

@@ -2,9 +2,10 @@
 stopping -> act -> tell the listeners (state file, notify, ...), which never steer it.
 
 Fast path: an open of a GPU node (inotify IN_OPEN) triggers an incremental holder scan with the last GPU
-reading that reads the likeliest openers first (new processes, then the newest) and stops at the first
-foreign holder of that GPU: the stops it calls for go out at once (after the look again), and the rest of
-the scan follows before the round logs and publishes the whole picture. An open that the incremental scan
+reading that reads the likeliest openers first (the latest that changed or appeared, then new processes,
+then the newest) and stops at the first foreign holder of that GPU: the stops it calls for go out at once
+(after the look again), and the rest of the scan follows before the round logs and publishes the whole
+picture. An open that the incremental scan
 cannot explain triggers a full scan (at most two a second; a later one is deferred, never dropped). The
 polling timer (interval_seconds) reads NVML and looks at new processes, holders and young ones; every
 process's fd signature is compared every _SIGNATURE_SECONDS, at every poll where opens cannot all be
