@@ -22,7 +22,8 @@ def test_the_shipped_config_documents_every_queue_key_at_its_default():
     lines = [line[1:] if re.match(r"^;\[?[a-z_-]+(\]| =)", line) else line for line in text.splitlines()]
     queue = parse("\n".join(lines) + "\n").queue
     assert queue is not None and dataclasses.replace(queue, line=0) == QueueSection()
-    written = set(re.findall(r"^;([a-z_]+) =", text.split(";[queue]", 1)[1], re.M))
+    section = re.split(r"^;\[", text.split(";[queue]", 1)[1], maxsplit=1, flags=re.M)[0]
+    written = set(re.findall(r"^;([a-z_]+) =", section, re.M))
     assert written == {f.name for f in dataclasses.fields(QueueSection)} - {"line"}
 
 
