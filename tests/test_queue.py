@@ -203,7 +203,7 @@ def queue_body(lab: Lab, extra: str = "", gpus: str = "ALL") -> str:
     return (
         "[gpu-all]\ngpus = ALL\n"
         f"[queue]\nsocket = {lab.socket}\ndatabase = {lab.database}\ngpus = {gpus}\n"
-        f"grace_seconds = 5\n{extra}"
+        f"grace_seconds = 5\nlauncher = direct\n{extra}"  # (the supervisor's path even where systemd runs)
     )
 
 

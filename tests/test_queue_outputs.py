@@ -325,6 +325,7 @@ def test_a_version_1_history_is_migrated_forward_and_keeps_its_rows(tmp_path, da
     socket_path = tmp_path / "q" / "queue.sock"
     body = (
         f"[gpu-all]\ngpus = ALL\n[queue]\nsocket = {socket_path}\ndatabase = {tmp_path / 'q.sqlite'}\n"
+        "launcher = direct\n"
         f"[history]\npath = {db}\n"
     )
     d = daemon_factory(body, {"start_delay_seconds": 0})
