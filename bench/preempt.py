@@ -357,7 +357,10 @@ def main() -> int:
             ["git", "-C", str(ROOT), "archive", a.baseline], capture_output=True, check=True
         )
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-        modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old, None))
+        # As shipped at that version: history on, in the run's directory (never the machine's own file);
+        # a version older than [history] gets no such section.
+        knows = '"history"' in (Path(old) / "gpu_mon" / "config.py").read_text(errors="replace")
+        modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old, True if knows else None))
     modes += [
         (
             "polling only, as the original gpu_mon (1 s, full scan, no events)",
