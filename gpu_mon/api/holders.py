@@ -340,7 +340,9 @@ class HolderScanner:
         return (st.st_ino, st.st_ctime_ns, st.st_size, *tables)
 
     def _read(self, pid: str, maps: bool, old: Optional[_Entry]) -> Optional[_Entry]:
-        """Read one process; None if it vanished."""
+        """Read one process; None if it vanished. Its signature is taken before its table is read: a file
+        opened while we read shows as a change at the next look (after, it would hide that open)."""
+        before = self._signature(pid) if self.incremental else None
         reader = _Reader(self.proc, self._targets, self.extra_nodes, self._matched)
         found: Set[str] = set()
         nodes: Set[Tuple[str, str]] = set()
@@ -356,7 +358,10 @@ class HolderScanner:
         lost = old is not None and old.gpus != _DENIED and not set(old.gpus) <= found  # type: ignore[arg-type]
         if maps or lost or (old is not None and old.mapped):
             mapped = reader.maps(pid) - found
-        signature = self._signature(pid, private) if self.incremental else None
+        signature = before
+        if private and before is not None:
+            tables = self._signature(pid, private)
+            signature = (*before, *tables[3:]) if tables is not None else None
         return _Entry(signature, frozenset(found | mapped), private, frozenset(mapped), frozenset(nodes))
 
     def _threads(self, pid: str) -> int:
