@@ -60,5 +60,5 @@ def test_bad_numbers_are_a_usage_error(tmp_path):
     assert r.returncode == 2
     assert r.stdout == ""
     assert r.stderr.splitlines()[-1].endswith(
-        "--trials must be at least 1, --procs at least 0, --idle-seconds more than 0"
+        "--trials must be at least 1, --procs and --jobs at least 0, --idle-seconds more than 0"
     )
