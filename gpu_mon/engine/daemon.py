@@ -628,8 +628,8 @@ class Daemon:
             idle_started=idle[1],
             idle_ended=idle[2],
             scans=self.observer.take_scan_times(),
-            slurm=self.slurm.report() if self.slurm is not None else None,
             queue=self.queue.report() if self.queue is not None else None,
+            slurm=self.slurm.report() if self.slurm is not None else None,
         )
         self.loop.publish(self.report)
 
