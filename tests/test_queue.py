@@ -252,7 +252,7 @@ def test_two_users_jobs_run_as_each_user_in_their_directory_with_their_env_and_o
 def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_count_1(
     lab, daemon_factory, sim
 ):
-    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0.3})
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0.3}, args=("--debug",))
     wait_for(lab.socket.exists, 20, "the queue's socket")
     job_id = lab.submit(lab.alice, "--stop-signal", "USR1", *lab.job_cmd("ckpt"))
     lab.wait_state(lab.alice, job_id, "running")
@@ -261,6 +261,8 @@ def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_c
     try:
         assert opener.stdout is not None and opener.stdout.readline() == "open\n"
         d.wait_log(r"busy: root .*; stopping job 1")
+        # as a workload: stopped on the open's first look, before the rest of /proc is read
+        d.wait_log(r"stopping job 1 before reading the rest of /proc")
         job = lab.wait_state(lab.alice, job_id, "queued")
         assert job["restarts"] == 1
         reason = lambda: lab.jobs(lab.alice)[job_id]["reason"]  # noqa: E731

@@ -369,10 +369,14 @@ class Daemon:
             self.slurm.round(snap, plan.rules, plan.index_of, self.wake_at, True)
         decision = policy.decide(self.config, plan, snap, self.state)
         stops = tuple(a for a in decision.actions if isinstance(a, Stop) and _urgent(a))
-        if not stops:
+        queue_gpus_ = queue_gpus(self.queue.q, plan.rules, plan.index_of) if self.queue is not None else []
+        jobs_hit = self.queue.hit(decision, queue_gpus_) if self.queue is not None else set()
+        if not stops and not jobs_hit:
             return
         decision = dataclasses.replace(decision, actions=stops)
-        decision, _snap = self._look_again(plan, snap, decision, now, quick=True)
+        decision, _snap = self._look_again(plan, snap, decision, now, quick=True, also=jobs_hit)
+        if jobs_hit and self.queue is not None:  # queued jobs yield exactly as workloads do
+            self.queue.yield_first(decision, plan.index_of, queue_gpus_, now)
         for stop in decision.actions:
             w = self.supervisor.workloads.get(stop.key) if isinstance(stop, Stop) and _urgent(stop) else None
             if w is not None and not w.stopping:
@@ -451,11 +455,18 @@ class Daemon:
         self._publish(plan, snap, decision, self._yields_done(snap), self._idle_holders(plan, snap))
 
     def _look_again(
-        self, plan: policy.Plan, snap: Snapshot, decision: Decision, now: float, quick: bool = False
+        self,
+        plan: policy.Plan,
+        snap: Snapshot,
+        decision: Decision,
+        now: float,
+        quick: bool = False,
+        also: Set[str] = frozenset(),
     ) -> tuple[Decision, Snapshot]:
-        """Look again before doing something destructive: re-read the holders of the busy GPUs."""
+        """Look again before doing something destructive: re-read the holders of the busy GPUs (those of the
+        stops, and `also`: running jobs' GPUs)."""
         stops = [a for a in decision.actions if isinstance(a, Stop)]
-        busy = {u for s in stops for u in s.gpus}
+        busy = {u for s in stops for u in s.gpus} | set(also)
         pids = [h.pid for h in self.observer.holders if h.gpus & busy]
         if pids:
             self.observer.scan("pids", self.supervisor.sessions(), pids)

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import os
 import pwd
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from gpu_mon.api.model import Exited, Snapshot
 from gpu_mon.api.procfs import read_stat
@@ -263,6 +263,36 @@ class Queue:
         version = self.store.version
         if version != self.runs.version:
             self.runs.seen(self.store.all(), version, self.wall())
+
+    def hit(self, decision: Decision, uuids: List[str]) -> Set[str]:
+        """The GPUs of running jobs that this decision finds busy (someone else uses them)."""
+        running = {
+            u
+            for w in self.supervisor.workloads.values()
+            if w.instance.key.startswith(PREFIX) and not w.stopping
+            for u in w.instance.gpus
+        }
+        busy = set()
+        for u in running & set(uuids):
+            v = decision.verdicts.get(u)
+            if v is None or v.busy:
+                busy.add(u)
+        return busy
+
+    def yield_first(self, decision: Decision, index_of: Dict[str, int], uuids: List[str], now: float) -> None:
+        """A foreign open's first look found a running job's GPU busy (confirmed by the look again): the job
+        is stopped at once, before the rest of /proc is read, as a workload is."""
+        urgent = placement.stops(self._running(), self._views(decision, uuids), now, self.wall())
+        for p in urgent.preempt_jobs:
+            log.debug("stopping job %d before reading the rest of /proc", p.job)
+        self._preempt(urgent, index_of, now)
+
+    def _running(self) -> List[Job]:
+        return [j for j in (self.store.get(i) for i in self._running_ids()) if j is not None]
+
+    def _running_ids(self) -> List[int]:
+        ids = (_job_id(k) for k in self.supervisor.workloads)
+        return [i for i in ids if i is not None]
 
     def _views(self, decision: Decision, uuids: List[str]) -> List[placement.GpuView]:
         on: Dict[str, Tuple[str, bool]] = {}
