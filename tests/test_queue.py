@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 from conftest import ROOT, Daemon, foreign_opener_cmd, kill_marked, pid_alive, wait_for
@@ -162,6 +162,22 @@ def _make_user(name: str, base: Path, groups: str = "") -> User:
     return User(name, pw.pw_uid, pw.pw_gid, home)
 
 
+def lab_files(base: Path, job_text: str) -> Tuple[Path, Path, Path]:
+    """The package where the test's users can read it, the job script, and the client's config (the socket
+    at base/run/queue.sock)."""
+    code = base / "code"
+    shutil.copytree(ROOT / "gpu_mon", code / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (code, *code.rglob("*")):
+        os.chmod(path, 0o755)
+    job = base / "job.py"
+    job.write_text(job_text)
+    os.chmod(job, 0o755)
+    conf = base / "client.conf"
+    conf.write_text(f"[queue]\nsocket = {base / 'run' / 'queue.sock'}\n")
+    os.chmod(conf, 0o644)
+    return code, job, conf
+
+
 @pytest.fixture
 def lab(sim):
     """Two users (alice in a supplementary group), a directory they can read with the package, the job
@@ -176,17 +192,8 @@ def lab(sim):
         users.append(alice)
         bob = _make_user("gmqbob", base)
         users.append(bob)
-        code = base / "code"
-        shutil.copytree(ROOT / "gpu_mon", code / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
-        for path in (code, *code.rglob("*")):
-            os.chmod(path, 0o755)
-        job = base / "job.py"
-        job.write_text(JOB)
-        os.chmod(job, 0o755)
+        code, job, conf = lab_files(base, JOB)
         run_dir = base / "run"
-        conf = base / "client.conf"
-        conf.write_text(f"[queue]\nsocket = {run_dir / 'queue.sock'}\n")
-        os.chmod(conf, 0o644)
         marker = f"gmq-{os.getpid()}-{time.monotonic_ns()}"
         yield Lab(base, code, job, conf, run_dir / "queue.sock", base / "queue.sqlite", alice, bob, marker)
     finally:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import GPU_MON, ROOT, foreign_opener_cmd, kill_marked, wait_for
+from conftest import GPU_MON, foreign_opener_cmd, kill_marked, wait_for
 from test_metrics import free_port, promtool_check, scrape, value
-from test_queue import Lab, _make_user, queue_body
+from test_queue import Lab, _make_user, lab_files, queue_body
 
 from gpu_mon.api import historydb
 from gpu_mon.queue import jobs as J
@@ -59,16 +59,7 @@ def lab(sim):
     try:
         users.append(_make_user("gmqcarol", base))
         users.append(_make_user("gmqdan", base))
-        code = base / "code"
-        shutil.copytree(ROOT / "gpu_mon", code / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
-        for path in (code, *code.rglob("*")):
-            os.chmod(path, 0o755)
-        job = base / "job.py"
-        job.write_text(JOB)
-        os.chmod(job, 0o755)
-        conf = base / "client.conf"
-        conf.write_text(f"[queue]\nsocket = {base / 'run' / 'queue.sock'}\n")
-        os.chmod(conf, 0o644)
+        code, job, conf = lab_files(base, JOB)
         yield Lab(base, code, job, conf, base / "run" / "queue.sock", base / "q.sqlite", *users, marker)
     finally:
         with contextlib.suppress(Exception):
