@@ -123,3 +123,11 @@ def queue_request(path: str, obj: dict, timeout: float = 60.0) -> dict:
                 raise ConnectionError(f"{path}: closed without an answer")
             buf += data
         return json.loads(buf[header.size :])
+
+
+def extract_ref(repo: Path, ref: str, dest: Path) -> Path:
+    """The files of `ref` (a git ref of `repo`) in dest, a new directory: a baseline to run side by side."""
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest

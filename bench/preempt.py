@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background import (  # noqa: E402
     Background,
+    extract_ref,
     free_port,
     median,
     percentile,
@@ -351,12 +352,7 @@ def main() -> int:
         ("the same, history and [metrics] on, scraped 20 times a second", "metrics", {}, ROOT, True),
     ]
     if a.baseline:
-        old = work / "baseline-code"
-        old.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", a.baseline], capture_output=True, check=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        old = extract_ref(ROOT, a.baseline, work / "baseline-code")
         # As shipped at that version: history on, in the run's directory (never the machine's own file);
         # a version older than [history] gets no such section.
         knows = '"history"' in (Path(old) / "gpu_mon" / "config.py").read_text(errors="replace")

@@ -385,12 +385,7 @@ def main() -> int:
     os.chmod(work, 0o755)
     versions = [("this checkout", ROOT)]
     if a.baseline:
-        old = work / "baseline-code"
-        old.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", a.baseline], capture_output=True, check=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        old = bg.extract_ref(ROOT, a.baseline, work / "baseline-code")
         versions.append((f"baseline {a.baseline}", old))
     runs: List[Run] = []
     try:

@@ -916,14 +916,20 @@ def _occupy_section(sec: _Section, warn: List[str]) -> OccupySection:
         "require_yield": _bool,
     }
     values = sec.parse(schema)
+    _who_warnings(sec, values, "occupy", warn)
+    return OccupySection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
+
+
+def _who_warnings(sec: _Section, values: Dict[str, tuple], section: str, warn: List[str]) -> None:
+    """`users` and `groups` of a section that limits who may use it: names unknown on this host."""
     if "users" in values:
         _user_names_warning(values["users"][0], "users", sec, values["users"][1], warn)
     for name in values.get("groups", ((), 0))[0]:
         try:
             grp.getgrnam(name)
         except KeyError:
-            warn.append(f"{sec.where(values['groups'][1])}: [occupy] groups: no group {name!r} on this host")
-    return OccupySection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
+            where = sec.where(values["groups"][1])
+            warn.append(f"{where}: [{section}] groups: no group {name!r} on this host")
 
 
 def _limit(value: str) -> int:
@@ -957,13 +963,7 @@ def _queue_section(sec: _Section, base: str, warn: List[str]) -> QueueSection:
         "keep_finished_days": _seconds,
     }
     values = sec.parse(schema)
-    if "users" in values:
-        _user_names_warning(values["users"][0], "users", sec, values["users"][1], warn)
-    for name in values.get("groups", ((), 0))[0]:
-        try:
-            grp.getgrnam(name)
-        except KeyError:
-            warn.append(f"{sec.where(values['groups'][1])}: [queue] groups: no group {name!r} on this host")
+    _who_warnings(sec, values, "queue", warn)
     queue = QueueSection(line=sec.raw.line, **{k: v for k, (v, _) in values.items()})
     if queue.grace_seconds > queue.max_grace_seconds:
         line = values.get("grace_seconds", values.get("max_grace_seconds", (0, sec.raw.line)))[1]
