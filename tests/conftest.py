@@ -48,6 +48,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture
+def procs():
+    """A list a test appends the processes it starts to; each is killed and reaped afterwards."""
+    made: list = []
+    yield made
+    for p in made:
+        p.kill()
+        p.wait()
+
+
 def wait_for(
     condition: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.02
 ) -> object:

@@ -53,15 +53,6 @@ time.sleep(600)
 """
 
 
-@pytest.fixture
-def procs():
-    made: list = []
-    yield made
-    for p in made:
-        p.kill()
-        p.wait()
-
-
 def start(procs: list, code: str, *args: str, **kw) -> subprocess.Popen:
     p = subprocess.Popen(
         [*kw.pop("argv", [sys.executable]), "-c", code, *args],

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from conftest import WORKLOAD_PYTHON, wait_for, workload_cmd
 
 SLOW_FULL = {"full_scan_seconds": 600, "interval_seconds": 0.1, "start_delay_seconds": 0.3}
@@ -25,15 +24,6 @@ def miner(tmp_path: Path) -> str:
 def holders_of(d, index: int) -> set:
     gpus = d.state().get("gpus") or []
     return {h["pid"] for h in gpus[index]["holders"]} if len(gpus) > index else set()
-
-
-@pytest.fixture
-def procs():
-    made: list = []
-    yield made
-    for p in made:
-        p.kill()
-        p.wait()
 
 
 SWAP = """
