@@ -56,6 +56,7 @@ _MAPS_ROUNDS = 30  # every process's maps are read at least once every this many
 _MAX_RETIRED = 64  # replaced nodes remembered per scanner (the oldest goes first)
 _YOUNG_SECONDS = 60.0  # a process first seen this recently has its signature compared by every `fresh`
 _RECENT = 64  # processes remembered as the latest that changed or appeared (an open's first suspects)
+_PAUSE_EVERY = 32  # processes read between two questions whether a scan should pause (~0.2 ms at most)
 _KCMP_SYSCALL = {"x86_64": 312, "aarch64": 272, "riscv64": 272, "ppc64le": 354, "s390x": 343}.get(
     platform.machine()
 )
@@ -181,6 +182,22 @@ class _Entry:
     private: Tuple[int, ...] = ()  # threads with an fd table of their own
     mapped: FrozenSet[str] = frozenset()  # GPUs held only through a memory map
     nodes: FrozenSet[Tuple[str, str]] = frozenset()  # (uuid, path the process opened)
+    # A single-threaded process's (ns run, times scheduled in) taken before its table was read: while they
+    # stay the same it has not run, so its table and maps cannot have changed (see HolderScanner.full).
+    ran: Optional[Tuple[int, int]] = None
+
+
+@dataclass
+class _FullScan:
+    """A full scan under way: the processes listed when it began and how far it got."""
+
+    pids: List[str]
+    maps: bool
+    every: bool
+    at: int = 0
+    next_check: int = 0
+    paused: bool = False  # it paused at least once (processes may have come and gone meanwhile)
+    result: ScanResult = field(default_factory=lambda: ScanResult())
 
 
 @dataclass
@@ -193,6 +210,7 @@ class ScanResult:
     full: bool = False
     released: bool = False  # a holder let go of a GPU (or exited): a full scan should follow
     complete: bool = True  # False: a search stopped at what it looked for (the next `changed` reads the rest)
+    paused: bool = False  # a scan stopped because `pause` said so (call it again to go on)
     nodes: Dict[int, FrozenSet[Tuple[str, str]]] = field(default_factory=dict)  # pid -> (uuid, path)
 
 
@@ -328,6 +346,10 @@ class HolderScanner:
         self._young: Dict[str, float] = {}  # pid -> when a scan first saw it, for _YOUNG_SECONDS
         self._carry: Optional[ScanResult] = None  # what searches that stopped early read since
         self._recent: Dict[str, None] = {}  # the latest processes read as new or changed, the latest last
+        # A full scan skips a process that has not run since it was read (see `full`), where the kernel
+        # counts how often each process is scheduled in.
+        self._idle_skip = self.incremental and _schedstat_counts(proc)
+        self._running: Optional[_FullScan] = None  # a full scan that paused (see `full`)
 
     def _signature(self, pid: str, private: Tuple[int, ...] = ()) -> Optional[Tuple[int, ...]]:
         try:
@@ -343,12 +365,14 @@ class HolderScanner:
         """Read one process; None if it vanished. Its signature is taken before its table is read: a file
         opened while we read shows as a change at the next look (after, it would hide that open)."""
         before = self._signature(pid) if self.incremental else None
+        ran = procfs.read_ran(pid, self.proc) if self._idle_skip else None
         reader = _Reader(self.proc, self._targets, self.extra_nodes, self._matched)
         found: Set[str] = set()
         nodes: Set[Tuple[str, str]] = set()
         readable = reader.table(f"{self.proc}/{pid}/fd", pid, found, nodes)
         private: Tuple[int, ...] = ()
         if readable and self._threads(pid) > 1:
+            ran = None  # (schedstat counts the main thread only)
             private = reader.private_tables(pid) or ()
             for tid in private:
                 readable = readable and reader.table(f"{self.proc}/{pid}/task/{tid}/fd", pid, found, nodes)
@@ -362,7 +386,7 @@ class HolderScanner:
         if private and before is not None:
             tables = self._signature(pid, private)
             signature = (*before, *tables[3:]) if tables is not None else None
-        return _Entry(signature, frozenset(found | mapped), private, frozenset(mapped), frozenset(nodes))
+        return _Entry(signature, frozenset(found | mapped), private, frozenset(mapped), frozenset(nodes), ran)
 
     def _threads(self, pid: str) -> int:
         try:
@@ -388,38 +412,111 @@ class HolderScanner:
         self._targets = self._retired.merged(targets)
         self._cache.clear()
         self._notable.clear()
+        self._running = None
 
-    def full(self, pids: Optional[Iterable[str]] = None, maps: bool = False) -> ScanResult:
+    def full(
+        self,
+        pids: Optional[Iterable[str]] = None,
+        maps: bool = False,
+        every: bool = False,
+        pause: Optional[Callable[[], bool]] = None,
+    ) -> ScanResult:
         """Read the fds of every process (or of `pids` only, merged into the last result). With `maps`, also
         the memory maps of each process whose mapped size changed since we last read them, and of a 30th of
-        the others in turn (reading every map costs ~350 ms at 1000 processes: too long a stall)."""
-        if pids is None:
-            old_cache, self._cache = self._cache, {}
-            self._last_pid = None  # (the next light look lists /proc again)
-            self._notable = set()
-            pids = procfs.list_pids(self.proc)
-            result = ScanResult(full=True)
-        else:
-            old_cache = self._cache
-            result = ScanResult()
+        the others in turn (reading every map costs ~350 ms at 1000 processes: too long a stall).
+
+        A process that holds nothing, has one thread, keeps its signature and has not run since it was last
+        read (its main thread's run time and count of times scheduled in, /proc/PID/schedstat, are what
+        they were) cannot have changed its table or its maps: it is not read again, unless `every`. (Only
+        a process that shares its fd table with another, made with CLONE_FILES but not as a thread, has
+        its table changed by someone else; that one is read when the other lets go, by an `every` scan.)
+
+        With `pause`, asked every few processes, the scan stops when it answers True and returns what it
+        has (`paused`; the holders as far as it got, the rest as last read); the next call with a `pause`
+        goes on from there. A call without one starts over and finishes."""
+        if pids is not None:
+            return self._some(pids)
+        run = self._running
+        if run is None or pause is None or (maps and not run.maps) or (every and not run.every):
+            run = self._start_full(maps, every)
+        self._running = run
+        if self._full_pids(run, pause):
+            return self._paused(run.result)
+        self._running = None
+        return self._finish_full(run)
+
+    def _start_full(self, maps: bool, every: bool) -> _FullScan:
+        if self._running is not None:  # (a paused one starts over: what it found goes into the new one)
+            self._carry = _merged(self._carry, self._running.result)
+        self._last_pid = None  # (the next light look lists /proc again)
         if maps:
             self._maps_turn = (self._maps_turn + 1) % _MAPS_ROUNDS
             self._maps_scans += 1
-        if result.full:
-            self._matched.clear()
-        for pid in pids:
-            if pid not in self.skip:
-                due = maps and self._maps_due(pid)
-                self._update(pid, self._read(pid, due, old_cache.get(pid)), old_cache.get(pid), result)
-        if maps and result.full:
+        self._matched.clear()
+        listed = [p for p in procfs.list_pids(self.proc) if p not in self.skip]
+        return _FullScan(listed, maps, every or not self._idle_skip)
+
+    def _full_pids(self, run: _FullScan, pause: Optional[Callable[[], bool]]) -> bool:
+        """Read the scan's processes from where it stands; True when `pause` stopped it."""
+        cache, result = self._cache, run.result
+        while run.at < len(run.pids):
+            if pause is not None and run.at >= run.next_check:
+                run.next_check = run.at + _PAUSE_EVERY  # (a scan resumed reads that many before it pauses)
+                if pause():
+                    run.paused = True
+                    return True
+            pid = run.pids[run.at]
+            run.at += 1
+            old = cache.get(pid)
+            if not run.every and self._unchanged(pid, old):
+                continue
+            due = run.maps and self._maps_due(pid)
+            self._update(pid, self._read(pid, due, old), old, result)
+        return False
+
+    def _unchanged(self, pid: str, old: Optional[_Entry]) -> bool:
+        """Whether a process that holds nothing has not run since it was read (nor changed its table)."""
+        if old is None or old.ran is None or old.gpus or old.signature is None:
+            return False
+        if procfs.read_ran(pid, self.proc) != old.ran:
+            return False
+        return self._signature(pid) == old.signature
+
+    def _finish_full(self, run: _FullScan) -> ScanResult:
+        result = run.result
+        listed = set(run.pids)
+        for pid in [p for p in self._cache if p not in listed]:
+            if not run.paused or not os.path.isdir(f"{self.proc}/{pid}"):  # (one met while it paused stays)
+                self._cache.pop(pid, None)
+                self._notable.discard(pid)
+        if run.maps:
             live = self._cache.keys()
             self._vm_seen = {p: v for p, v in self._vm_seen.items() if p in live}
             if self._retired.prune(self._matched, self._maps_scans):
                 self._targets = self._retired.merged(self._given)  # nothing held them: no entry changes
-        if result.full:
-            self._scanned = True
-            self._take_carry(result)
+        result.full = True
+        self._scanned = True
+        self._take_carry(result)
         return self._result(result)
+
+    def _some(self, pids: Iterable[str]) -> ScanResult:
+        """Read exactly these processes, merged into the last result."""
+        result = ScanResult()
+        for pid in pids:
+            if pid not in self.skip:
+                old = self._cache.get(pid)
+                self._update(pid, self._read(pid, False, old), old, result)
+        return self._result(result)
+
+    def _paused(self, done: ScanResult) -> ScanResult:
+        """What a paused scan has read so far (the holders: as far as it got, the rest as last read)."""
+        return self._result(
+            ScanResult(rescanned=set(done.rescanned), released=done.released, complete=False, paused=True)
+        )
+
+    def full_paused(self) -> bool:
+        """Whether a full scan paused and has not finished since (a `full` with a `pause` goes on)."""
+        return self._running is not None
 
     def _maps_due(self, pid: str) -> bool:
         """Whether this process's maps should be read in this maps scan (and note its size if so)."""
@@ -454,33 +551,46 @@ class HolderScanner:
             if len(self._recent) > _RECENT:
                 del self._recent[next(iter(self._recent))]
 
-    def changed(self, enough: Optional[Callable[[int, FrozenSet[str]], bool]] = None) -> ScanResult:
+    def changed(
+        self,
+        enough: Optional[Callable[[int, FrozenSet[str]], bool]] = None,
+        pause: Optional[Callable[[], bool]] = None,
+    ) -> ScanResult:
         """Read only the processes that are new or whose signature changed (full if counts are unknown).
 
         With `enough`, the likeliest openers are read first (the latest processes that changed or
         appeared, before /proc is even listed; then new processes; then the others, the newest first) and
         the scan stops after the first process that holds a GPU and that `enough` accepts: `complete` is
         False, and processes that exited are noticed by the next `changed`, which reads the rest and
-        reports what both read (`rescanned`, `released`)."""
+        reports what both read (`rescanned`, `released`). With `pause` (asked every few processes), it
+        stops likewise when that answers True, with `paused` set."""
         if not self.incremental or not self._cache:
-            return self.full()
+            return self.full(pause=pause)
         result = ScanResult()
         recent = [p for p in reversed(self._recent) if p in self._cache] if enough is not None else []
         if self._search(recent, enough, result):
             return self._stopped(result)
         live = self._live()
-        if self._search(self._likeliest(live, set(recent)) if enough else live, enough, result):
+        if self._search(self._likeliest(live, set(recent)) if enough else live, enough, result, pause):
             return self._stopped(result)
         self._gone(live, result)
         self._take_carry(result)
         return self._result(result)
 
     def _search(
-        self, pids: Iterable[str], enough: Optional[Callable[[int, FrozenSet[str]], bool]], result: ScanResult
+        self,
+        pids: Iterable[str],
+        enough: Optional[Callable[[int, FrozenSet[str]], bool]],
+        result: ScanResult,
+        pause: Optional[Callable[[], bool]] = None,
     ) -> bool:
-        """Read those of these processes that are new or changed; True at the first that `enough` accepts."""
+        """Read those of these processes that are new or changed; True at the first that `enough` accepts,
+        or when `pause` (asked every _PAUSE_EVERY processes) answers True (`result.paused` then)."""
         cache, fd_stat, proc = self._cache, os.stat, self.proc
-        for pid in pids:
+        for n, pid in enumerate(pids):
+            if pause is not None and n % _PAUSE_EVERY == _PAUSE_EVERY - 1 and pause():
+                result.paused = True
+                return True
             entry = cache.get(pid)
             if entry is not None and not entry.mapped and not entry.private:  # nearly all: _same, inlined
                 try:
@@ -565,6 +675,7 @@ class HolderScanner:
         keep = {str(p) for p in pids} - self.skip
         self._cache = {p: e for p, e in self._cache.items() if p in keep}
         self._notable &= keep
+        self._running = None
         return self.full(pids=sorted(keep))
 
     def forget(self, pids: Iterable[int]) -> None:
@@ -582,6 +693,14 @@ class HolderScanner:
                 result.held[int(pid)] = entry.gpus  # type: ignore[assignment]
                 result.nodes[int(pid)] = entry.nodes
         return result
+
+
+def _schedstat_counts(proc: str) -> bool:
+    """Whether this kernel counts how often each process is scheduled in (ours has been, at least once)."""
+    if proc != procfs.PROC:
+        return False
+    ran = procfs.read_ran(os.getpid(), proc)
+    return ran is not None and ran[1] > 0
 
 
 def _proc_self(proc: str) -> Optional[int]:

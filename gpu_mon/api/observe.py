@@ -16,6 +16,7 @@ from gpu_mon.api.model import GpuReading, Holder, Snapshot, TtyUser
 log = logging.getLogger(__name__)
 _OURS_MEMORY_SECONDS = 30.0
 _MAX_EXTRA_NODES = 64
+_MAX_NOT_DESCENDANTS = 4096
 
 
 class Backend(Protocol):
@@ -46,6 +47,7 @@ class Observer:
         self.holders: Tuple[Holder, ...] = ()
         self.last_rescanned: Set[int] = set()  # pids whose descriptors the last scan read
         self.scan_complete = True  # False after a search that stopped at what it looked for (see scan)
+        self.scan_paused = False  # the last scan paused for its caller (see scan)
         self.rescan_wanted = False  # a holder let go of a GPU since the last full scan
         # (mode, seconds) of each holder scan since take_scan_times (the latest 256: nobody may take them)
         self.scan_times: Deque[Tuple[str, float]] = collections.deque(maxlen=256)
@@ -57,6 +59,9 @@ class Observer:
         self._starts: Dict[int, int] = {}
         self._ancestors: Set[int] = set()
         self._ours_seen: Dict[int, float] = {}  # pid -> when it was last seen as ours (monotonic)
+        # (pid, start) of processes found not to descend from gpu-mon or its workloads: that never changes
+        # (a process is only ever reparented to one of its ancestors), so their ancestry is walked once.
+        self._not_descendants: Dict[Tuple[int, int], None] = {}
 
     def take_scan_times(self) -> Tuple[Tuple[str, float], ...]:
         """(mode, seconds) of the holder scans since the last call."""
@@ -99,15 +104,22 @@ class Observer:
         sessions_of_ours: Iterable[int] = (),
         pids: Iterable[int] = (),
         enough: Optional[Callable[[Holder], bool]] = None,
+        pause: Optional[Callable[[], bool]] = None,
+        every: bool = False,
     ) -> None:
         """Scan holders: mode 'full' (with memory maps), 'fds' (full, descriptors only), 'changed'
         (incremental), 'first' (incremental, the likeliest openers first, stopping at the first holder that
         `enough` accepts: `scan_complete` is then False, and a 'changed' scan reads the rest), 'new' (new
-        processes, holders and young ones: HolderScanner.fresh) or 'pids' (just those)."""
+        processes, holders and young ones: HolderScanner.fresh) or 'pids' (just those).
+
+        A full scan reads again only the processes that ran since it last read them, unless `every`.
+        'full', 'fds' and 'changed' ask `pause` every few processes and stop when it answers True:
+        `scan_paused` is then set, the holders are those found so far and the rest as last read, and the
+        same call with a `pause` goes on (a full scan from where it stopped, `changed` from the start)."""
         began = time.perf_counter()
         ours = set(sessions_of_ours)
         if mode in ("full", "fds"):
-            result = self.scanner.full(maps=mode == "full")
+            result = self.scanner.full(maps=mode == "full", every=every, pause=pause)
         elif mode == "pids":
             result = self.scanner.full(pids=[str(p) for p in pids])
         elif mode == "new":
@@ -115,9 +127,10 @@ class Observer:
         elif mode == "first" and enough is not None:
             result = self.scanner.changed(enough=self._accepts(enough, ours))
         else:
-            result = self.scanner.changed()
+            result = self.scanner.changed(pause=pause)
         self.scan_times.append((mode, time.perf_counter() - began))
         self.scan_complete = result.complete
+        self.scan_paused = result.paused
         self.last_rescanned = result.rescanned
         self.rescan_wanted = (self.rescan_wanted or result.released) and not result.full
         found = []
@@ -153,6 +166,10 @@ class Observer:
         if self.after_scan is not None and result.complete:
             self.after_scan()
 
+    def full_paused(self) -> bool:
+        """Whether a full scan paused and has not finished since."""
+        return self.scanner.full_paused()
+
     def _accepts(self, enough: Callable[[Holder], bool], ours: Set[int]) -> Callable[[int, frozenset], bool]:
         """`enough` for the scanner: a holder described and told apart as ours or not."""
 
@@ -169,9 +186,16 @@ class Observer:
         return any(a == self.own_pid or a in ours for a in procfs.ancestors(pid, self.proc))
 
     def _classify(self, h: Holder, ours: Set[int]) -> Holder:
+        key = (h.pid, h.start_ticks)
+        if key in self._not_descendants and h.sid not in ours and h.pid not in ours:
+            return h  # (a new workload cannot be the ancestor of a process older than itself)
         if self.is_ours(h.pid, h.sid, ours):
             self._ours_seen[h.pid] = time.monotonic()
             return Holder(**{**h.__dict__, "ours": True})
+        if h.start_ticks:
+            if len(self._not_descendants) >= _MAX_NOT_DESCENDANTS:
+                self._not_descendants.clear()
+            self._not_descendants[key] = None
         return h
 
     def nvml_processes(self, ours: Set[int]) -> Tuple[Holder, ...]:

@@ -57,6 +57,25 @@ def read_stat(pid: int, proc: str = PROC) -> Optional[ProcStat]:
         return None
 
 
+def read_ran(pid: int, proc: str = PROC) -> Optional[Tuple[int, int]]:
+    """(ns run, times scheduled in) of a process's main thread (/proc/PID/schedstat): both grow whenever it
+    runs at all, so equal readings mean it has not run in between; None if unreadable."""
+    try:
+        fd = os.open(f"{proc}/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fields = os.read(fd, 128).split()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return int(fields[0]), int(fields[2])
+    except (IndexError, ValueError):
+        return None
+
+
 def read_argv0(pid: int, proc: str = PROC) -> str:
     """Basename of argv[0], or '' (kernel threads, vanished processes, unreadable)."""
     try:

@@ -83,9 +83,9 @@ class Inotify:
                     opened.append(path)
         return opened, renew
 
-    def pending(self) -> bool:
-        """Whether events wait to be read (without reading them)."""
-        return self.fd >= 0 and bool(select.select([self.fd], [], [], 0)[0])
+    def pending(self, seconds: float = 0.0) -> bool:
+        """Whether events wait to be read (without reading them), waiting up to `seconds` for one."""
+        return self.fd >= 0 and bool(select.select([self.fd], [], [], seconds)[0])
 
     def close(self) -> None:
         """Close the inotify fd (dropping all watches)."""

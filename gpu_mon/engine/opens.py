@@ -56,6 +56,11 @@ class OpenWatch:
         """Whether events wait to be read (an open happened since the last read)."""
         return self.inotify is not None and self.inotify.pending()
 
+    def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, or until an open is reported."""
+        if self.inotify is not None:
+            self.inotify.pending(seconds)
+
     def covers(self) -> bool:
         """Whether an open of every GPU's own node wakes us (inotify works and watches each of them)."""
         return self.inotify is not None and not self.unwatched
