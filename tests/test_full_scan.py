@@ -38,15 +38,6 @@ def node(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def procs():
-    out = []
-    yield out
-    for p in out:
-        p.kill()
-        p.wait()
-
-
 def start(procs: list, code: str, *args: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     procs.append(p)

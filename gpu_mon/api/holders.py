@@ -13,8 +13,13 @@ kept for that GPU (`retired`) while anything may still hold them, and dropped on
 memory maps have been read at least once without a match.
 
 A full scan stats every fd of every table of every process (50-95 ms for 1000 processes with 10 fds each
-on a 2-core VM). The incremental scan (`changed`) re-reads only processes whose signature changed: since
-Linux 6.2 `stat(/proc/PID/fd).st_size` is the open-fd count, and its inode and ctime tell a reused pid from
+on a 2-core VM), except where the process has not run since it was last read: a single-threaded process
+whose main thread's run time and count of times scheduled in (/proc/PID/schedstat) are unchanged cannot
+have changed its table or maps (~18 ms then, for 1000 mostly idle processes). A scan can pause for the
+caller (an open to serve first) and go on later.
+
+The incremental scan (`changed`) re-reads only processes whose signature changed: since Linux 6.2
+`stat(/proc/PID/fd).st_size` is the open-fd count, and its inode and ctime tell a reused pid from
 the process that had it before; the tables of threads known to have their own are part of the signature.
 What keeps the signature (a descriptor replaced in place by close-and-open or dup2, one received from
 another process, a new thread with a table of its own) is left to the caller: it runs a full scan when an

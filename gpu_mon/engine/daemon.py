@@ -4,14 +4,16 @@ stopping -> act -> tell the listeners (state file, notify, ...), which never ste
 Fast path: an open of a GPU node (inotify IN_OPEN) triggers an incremental holder scan with the last GPU
 reading that reads the likeliest openers first (the latest that changed or appeared, then new processes,
 then the newest) and stops at the first foreign holder of that GPU: the stops it calls for go out at once
-(after the look again), and the rest of the scan follows before the round logs and publishes the whole
-picture. An open that the incremental scan
-cannot explain triggers a full scan (at most two a second; a later one is deferred, never dropped). The
-polling timer (interval_seconds) reads NVML and looks at new processes, holders and young ones; every
-process's fd signature is compared every _SIGNATURE_SECONDS, at every poll where opens cannot all be
-watched, and at once when NVML shows use the holders found do not explain. A full scan, memory maps
-included, runs every full_scan_seconds, and soon after a holder lets go of a GPU (its descriptor may have
-been handed on).
+(after the look again); the daemon then leaves the CPU for up to _STEP_ASIDE_SECONDS, so that the
+signalled workload runs, and the rest of the scan follows before the round logs and publishes the whole
+picture. An open that the incremental scan cannot explain triggers a full scan (at most two a second; a
+later one is deferred, never dropped). The polling timer (interval_seconds) reads NVML and looks at new
+processes, holders and young ones; every process's fd signature is compared every _SIGNATURE_SECONDS, at
+every poll where opens cannot all be watched, and at once when NVML shows use the holders found do not
+explain. A full scan, memory maps included, runs every full_scan_seconds, and soon after a holder lets go
+of a GPU (its descriptor may have been handed on: that one reads every process, the others only those that
+ran since they were read). The scans of polls and of deferred full scans give way to an open: they pause
+when one waits, the open is served, and they go on (`owed`).
 """
 
 from __future__ import annotations
