@@ -152,3 +152,33 @@ def test_a_signature_pass_paused_for_an_open_reports_what_it_read_with_the_next(
     result = s.changed()
     assert result.complete and result.held[p.pid] == {"GPU-0"}
     assert set(paused.rescanned) <= result.rescanned
+
+
+def test_fanotify_names_the_opener(node, procs):
+    from gpu_mon.engine.fanotify import Fanotify
+
+    group = Fanotify()  # (root: CAP_SYS_ADMIN)
+    try:
+        assert group.watch([str(node)]) == {}
+        p = start(procs, SWAP, str(node), os.devnull)
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == b"swapped\n"
+        wait_for(lambda: group.read() or group.pids, what="the open's event")
+        assert group.take() == (p.pid,)
+        assert group.take() == ()
+    finally:
+        group.close()
+
+
+def test_the_openers_the_kernel_names_are_read_first_even_when_their_count_did_not_change(node, procs):
+    p = start(procs, SWAP, str(node), os.devnull)
+    s = scanner_on(node)
+    s.full()
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"swapped\n"  # (open + dup2 in place: its count of open files is the same)
+    accepted = []
+    result = s.changed(enough=lambda pid, gpus: accepted.append(pid) or True, first=[p.pid, os.getpid()])
+    assert accepted == [p.pid] and not result.complete and result.held[p.pid] == {"GPU-0"}
+    assert result.rescanned == {p.pid}  # (read first, and nothing else: the search stopped there)

@@ -560,6 +560,7 @@ class HolderScanner:
         self,
         enough: Optional[Callable[[int, FrozenSet[str]], bool]] = None,
         pause: Optional[Callable[[], bool]] = None,
+        first: Iterable[int] = (),
     ) -> ScanResult:
         """Read only the processes that are new or whose signature changed (full if counts are unknown).
 
@@ -568,10 +569,14 @@ class HolderScanner:
         the scan stops after the first process that holds a GPU and that `enough` accepts: `complete` is
         False, and processes that exited are noticed by the next `changed`, which reads the rest and
         reports what both read (`rescanned`, `released`). With `pause` (asked every few processes), it
-        stops likewise when that answers True, with `paused` set."""
+        stops likewise when that answers True, with `paused` set. `first`: processes the kernel said opened
+        a node (fanotify), read before all others, changed or not."""
         if not self.incremental or not self._cache:
             return self.full(pause=pause)
         result = ScanResult()
+        openers = [str(p) for p in first if str(p) not in self.skip] if enough is not None else []
+        if openers and self._search(openers, enough, result, force=True):
+            return self._stopped(result)
         recent = [p for p in reversed(self._recent) if p in self._cache] if enough is not None else []
         if self._search(recent, enough, result):
             return self._stopped(result)
@@ -588,16 +593,20 @@ class HolderScanner:
         enough: Optional[Callable[[int, FrozenSet[str]], bool]],
         result: ScanResult,
         pause: Optional[Callable[[], bool]] = None,
+        force: bool = False,
     ) -> bool:
-        """Read those of these processes that are new or changed; True at the first that `enough` accepts,
-        or when `pause` (asked every _PAUSE_EVERY processes) answers True (`result.paused` then)."""
+        """Read those of these processes that are new or changed (with `force`, each); True at the first
+        that `enough` accepts, or when `pause` (asked every _PAUSE_EVERY processes) answers True
+        (`result.paused` then)."""
         cache, fd_stat, proc = self._cache, os.stat, self.proc
         for n, pid in enumerate(pids):
             if pause is not None and n % _PAUSE_EVERY == _PAUSE_EVERY - 1 and pause():
                 result.paused = True
                 return True
             entry = cache.get(pid)
-            if entry is not None and not entry.mapped and not entry.private:  # nearly all: _same, inlined
+            if force:
+                pass
+            elif entry is not None and not entry.mapped and not entry.private:  # nearly all: _same, inlined
                 try:
                     st = fd_stat(f"{proc}/{pid}/fd")
                 except OSError:

@@ -106,6 +106,7 @@ class Observer:
         enough: Optional[Callable[[Holder], bool]] = None,
         pause: Optional[Callable[[], bool]] = None,
         every: bool = False,
+        first: Iterable[int] = (),
     ) -> None:
         """Scan holders: mode 'full' (with memory maps), 'fds' (full, descriptors only), 'changed'
         (incremental), 'first' (incremental, the likeliest openers first, stopping at the first holder that
@@ -115,7 +116,8 @@ class Observer:
         A full scan reads again only the processes that ran since it last read them, unless `every`.
         'full', 'fds' and 'changed' ask `pause` every few processes and stop when it answers True:
         `scan_paused` is then set, the holders are those found so far and the rest as last read, and the
-        same call with a `pause` goes on (a full scan from where it stopped, `changed` from the start)."""
+        same call with a `pause` goes on (a full scan from where it stopped, `changed` from the start).
+        'first' reads the processes in `first` (the openers the kernel named) before all others."""
         began = time.perf_counter()
         ours = set(sessions_of_ours)
         if mode in ("full", "fds"):
@@ -125,7 +127,7 @@ class Observer:
         elif mode == "new":
             result = self.scanner.fresh()
         elif mode == "first" and enough is not None:
-            result = self.scanner.changed(enough=self._accepts(enough, ours))
+            result = self.scanner.changed(enough=self._accepts(enough, ours), first=first)
         else:
             result = self.scanner.changed(pause=pause)
         self.scan_times.append((mode, time.perf_counter() - began))

@@ -347,12 +347,12 @@ class Daemon:
         """
         uuids = {self.observer.watch_targets().get(path) for path in opened}
         before = self.openers.before()
-        explained = self._explained("first", uuids)
+        explained = self._explained("first", uuids, self.opens.openers())
         if not self.observer.scan_complete:  # a foreign holder of an opened GPU: it is yielded to first
             self._yield_first(now)
             if self.sent_first:  # (its handler runs now, even where other processes hold every core)
                 self.opens.wait(_STEP_ASIDE_SECONDS)
-            explained = self._explained("changed", uuids) or explained
+            explained = self._explained("changed", uuids, polite=bool(self.sent_first)) or explained
         for uuid in self.openers.note(uuids, before, now):  # a process we cannot read opened it: at once
             log.debug("open of %s by a process whose files cannot be read", uuid)
         if explained:
@@ -371,11 +371,16 @@ class Daemon:
             if self.deferred_full is None:
                 self.deferred_full = self.last_event_full + _EVENT_FULL_SCAN_GAP
 
-    def _explained(self, scan: str, uuids: Set[Optional[str]]) -> bool:
-        """Scan; whether a process that scan read now holds one of these GPUs. A 'first' scan stops at the
-        first holder of one of them that is not ours and that its [gpu-*] section does not ignore."""
+    def _explained(
+        self, scan: str, uuids: Set[Optional[str]], openers: Iterable[int] = (), polite: bool = False
+    ) -> bool:
+        """Scan; whether a process that scan read now holds one of these GPUs. A 'first' scan reads the
+        `openers` the kernel named first and stops at the first holder of one of them that is not ours and
+        that its [gpu-*] section does not ignore."""
         enough = self._foreign_holder(uuids) if scan == "first" else None
-        self.observer.scan(scan if enough else "changed", self.supervisor.sessions(), enough=enough)
+        mode = scan if enough else "changed"
+        pause = _let_others_run if polite else None  # (a workload just signalled may be waiting for a core)
+        self.observer.scan(mode, self.supervisor.sessions(), enough=enough, first=openers, pause=pause)
         rescanned = self.observer.last_rescanned
         return any(h.pid in rescanned and h.gpus & uuids for h in self.observer.holders)
 
@@ -791,6 +796,12 @@ class Daemon:
         self.opens.stop(self.loop.remove_reader)
         self.observer.backend.close()
         self.loop.close()
+
+
+def _let_others_run() -> bool:
+    """A scan's `pause` that never pauses, but lets the processes waiting for this core run first."""
+    os.sched_yield()
+    return False
 
 
 def _urgent(stop: Stop) -> bool:

@@ -6,9 +6,10 @@ The kernel says that a node was opened, not by whom: openers.py works that out."
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Set, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 from gpu_mon.api.observe import Observer
+from gpu_mon.engine.fanotify import Fanotify
 from gpu_mon.engine.inotify import Inotify
 
 log = logging.getLogger("gpu_mon")
@@ -20,6 +21,7 @@ class OpenWatch:
     def __init__(self, observer: Observer):
         self.observer = observer
         self.inotify: Optional[Inotify] = None
+        self.fanotify: Optional[Fanotify] = None  # who opened: pids to read first (hints; root only)
         self.watched: Tuple[str, ...] = ()
         self.announced: Set[str] = set()
         self.opened: Set[str] = set()
@@ -33,6 +35,10 @@ class OpenWatch:
             log.warning("inotify unavailable (%s): relying on polling every %g s", err, interval)
             return
         add_reader(self.inotify.fd, "inotify")
+        try:
+            self.fanotify = Fanotify()
+        except OSError as err:  # (not root, or an old kernel: the opener is searched for without its pid)
+            log.debug("no opener pids from fanotify (%s)", err.strerror)
 
     def stop(self, remove_reader: Callable[[int], None]) -> None:
         """Close the inotify fd (and forget pending opens)."""
@@ -40,6 +46,9 @@ class OpenWatch:
             remove_reader(self.inotify.fd)
             self.inotify.close()
             self.inotify = None
+        if self.fanotify is not None:
+            self.fanotify.close()
+            self.fanotify = None
         self.opened.clear()
         self.watched = ()
 
@@ -49,6 +58,8 @@ class OpenWatch:
             return
         opened, renew = self.inotify.read()
         self.opened.update(opened)
+        if self.fanotify is not None:  # (queued by the same open, before the inotify event woke us)
+            self.fanotify.read()
         if renew:
             self.rewatch()
 
@@ -70,6 +81,24 @@ class OpenWatch:
         opened, self.opened = self.opened, set()
         return opened
 
+    def _mark_openers(self, paths: List[str]) -> None:
+        """fanotify marks on these nodes (what cannot be marked is searched for without its opener's pid)."""
+        if self.fanotify is None:
+            return
+        try:
+            errors = self.fanotify.watch(paths)
+        except OSError as err:
+            log.debug("no opener pids from fanotify (%s)", err.strerror)
+            self.fanotify.close()
+            self.fanotify = None
+            return
+        for path, why in errors.items():
+            log.debug("no opener pids for opens of %s (%s)", path, why)
+
+    def openers(self) -> Tuple[int, ...]:
+        """The pids that fanotify says opened a watched node since the last call, the latest first."""
+        return self.fanotify.take() if self.fanotify is not None else ()
+
     def refresh(self) -> None:
         """Watch exactly the observer's nodes, if they changed."""
         if self.observer.device_paths() != self.watched:
@@ -83,6 +112,7 @@ class OpenWatch:
         devices = {g.device for g in self.observer.reading.gpus}
         errors = self.inotify.watch(self.watched)
         self.unwatched = {p for p in errors if p in devices}
+        self._mark_openers([p for p in self.watched if p not in errors])
         for path, why in errors.items():
             if path in devices:
                 log.warning("cannot watch %s for opens (%s): relying on polling", path, why)
