@@ -182,3 +182,33 @@ def test_the_openers_the_kernel_names_are_read_first_even_when_their_count_did_n
     result = s.changed(enough=lambda pid, gpus: accepted.append(pid) or True, first=[p.pid, os.getpid()])
     assert accepted == [p.pid] and not result.complete and result.held[p.pid] == {"GPU-0"}
     assert result.rescanned == {p.pid}  # (read first, and nothing else: the search stopped there)
+
+
+MAP_AND_CLOSE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+c = ctypes
+libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+print("ready", flush=True)
+sys.stdin.readline()
+fd = os.open(sys.argv[1], os.O_RDONLY)
+libc.mmap(None, 4096, 1, 1, fd, 0)  # (Python's own mmap would keep a copy of the descriptor)
+os.close(fd)  # only the memory map is left
+print("mapped", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_map_made_before_a_read_that_left_maps_alone_is_found_by_the_next_maps_scan(node, procs):
+    node.write_bytes(b"\0" * 4096)
+    p = start(procs, MAP_AND_CLOSE, str(node))
+    s = scanner_on(node)
+    s.full(maps=True)
+    p.stdin.write(b"go\n")
+    p.stdin.flush()
+    assert p.stdout.readline() == b"mapped\n"
+    # An open's search reads it (fds only: no GPU) after the map was made; it has not run since.
+    assert p.pid not in s.changed(enough=lambda pid, gpus: True, first=[p.pid]).held
+    assert p.pid not in s.full().held  # (its descriptors: nothing)
+    assert s.full(maps=True).held[p.pid] == {"GPU-0"}

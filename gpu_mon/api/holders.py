@@ -190,6 +190,7 @@ class _Entry:
     # A single-threaded process's (ns run, times scheduled in) taken before its table was read: while they
     # stay the same it has not run, so its table and maps cannot have changed (see HolderScanner.full).
     ran: Optional[Tuple[int, int]] = None
+    ran_maps: Optional[Tuple[int, int]] = None  # the same, as of the last look at its maps (a maps scan's)
 
 
 @dataclass
@@ -366,7 +367,9 @@ class HolderScanner:
             return None
         return (st.st_ino, st.st_ctime_ns, st.st_size, *tables)
 
-    def _read(self, pid: str, maps: bool, old: Optional[_Entry]) -> Optional[_Entry]:
+    def _read(
+        self, pid: str, maps: bool, old: Optional[_Entry], maps_looked: bool = False
+    ) -> Optional[_Entry]:
         """Read one process; None if it vanished. Its signature is taken before its table is read: a file
         opened while we read shows as a change at the next look (after, it would hide that open)."""
         before = self._signature(pid) if self.incremental else None
@@ -391,7 +394,11 @@ class HolderScanner:
         if private and before is not None:
             tables = self._signature(pid, private)
             signature = (*before, *tables[3:]) if tables is not None else None
-        return _Entry(signature, frozenset(found | mapped), private, frozenset(mapped), frozenset(nodes), ran)
+        # Its maps are as a maps scan saw them when this scan looked at them (`maps_looked`: read, or their
+        # size unchanged), or when the last one did if it has not run since.
+        ran_maps = ran if maps_looked else old.ran_maps if old is not None and old.ran_maps == ran else None
+        held = frozenset(found | mapped)
+        return _Entry(signature, held, private, frozenset(mapped), frozenset(nodes), ran, ran_maps)
 
     def _threads(self, pid: str) -> int:
         try:
@@ -473,17 +480,19 @@ class HolderScanner:
             pid = run.pids[run.at]
             run.at += 1
             old = cache.get(pid)
-            if not run.every and self._unchanged(pid, old):
+            if not run.every and self._unchanged(pid, old, run.maps):
                 continue
             due = run.maps and self._maps_due(pid)
-            self._update(pid, self._read(pid, due, old), old, result)
+            self._update(pid, self._read(pid, due, old, run.maps), old, result)
         return False
 
-    def _unchanged(self, pid: str, old: Optional[_Entry]) -> bool:
-        """Whether a process that holds nothing has not run since it was read (nor changed its table)."""
-        if old is None or old.ran is None or old.gpus or old.signature is None:
+    def _unchanged(self, pid: str, old: Optional[_Entry], maps: bool) -> bool:
+        """Whether a process that holds nothing has not run since it was read (nor changed its table), and,
+        for a maps scan, since a maps scan last looked at its maps."""
+        since = old.ran_maps if maps and old is not None else old.ran if old is not None else None
+        if since is None or old is None or old.gpus or old.signature is None:
             return False
-        if procfs.read_ran(pid, self.proc) != old.ran:
+        if procfs.read_ran(pid, self.proc) != since:
             return False
         return self._signature(pid) == old.signature
 
