@@ -48,6 +48,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
             item.add_marker(skip)
 
 
+# Sleeps until told, then swaps a descriptor of the node in place of one it had (its count stays the same).
+SWAP_IN_PLACE = """
+import os, sys
+fd = os.open(sys.argv[2], os.O_RDONLY)
+print("ready", flush=True)
+sys.stdin.readline()
+node = os.open(sys.argv[1], os.O_RDONLY)
+os.dup2(node, fd)
+os.close(node)
+print("swapped", flush=True)
+sys.stdin.read()
+"""
+
+
 @pytest.fixture
 def procs():
     """A list a test appends the processes it starts to; each is killed and reaped afterwards."""

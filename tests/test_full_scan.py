@@ -10,24 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import SWAP_IN_PLACE, wait_for
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Gpu
 from gpu_mon.engine.inotify import Inotify
 
-# Sleeps until told, then swaps a descriptor of the node in place of one it had (its count stays the same).
-SWAP = """
-import os, sys
-fd = os.open(sys.argv[2], os.O_RDONLY)
-print("ready", flush=True)
-sys.stdin.readline()
-node = os.open(sys.argv[1], os.O_RDONLY)
-os.dup2(node, fd)
-os.close(node)
-print("swapped", flush=True)
-sys.stdin.read()
-"""
 IDLE = "import sys; print('ready', flush=True); sys.stdin.read()"
 
 
@@ -80,7 +68,7 @@ def test_a_full_scan_reads_again_only_processes_that_ran(node, procs):
 def test_a_descriptor_swapped_in_place_is_found_by_the_next_full_scan(node, procs, tmp_path):
     other = tmp_path / "other"
     other.touch()
-    p = start(procs, SWAP, str(node), str(other))
+    p = start(procs, SWAP_IN_PLACE, str(node), str(other))
     s = scanner_on(node)
     s.full()
     assert p.pid not in s.full().held
@@ -160,7 +148,7 @@ def test_fanotify_names_the_opener(node, procs):
     group = Fanotify()  # (root: CAP_SYS_ADMIN)
     try:
         assert group.watch([str(node)]) == {}
-        p = start(procs, SWAP, str(node), os.devnull)
+        p = start(procs, SWAP_IN_PLACE, str(node), os.devnull)
         p.stdin.write(b"go\n")
         p.stdin.flush()
         assert p.stdout.readline() == b"swapped\n"
@@ -172,7 +160,7 @@ def test_fanotify_names_the_opener(node, procs):
 
 
 def test_the_openers_the_kernel_names_are_read_first_even_when_their_count_did_not_change(node, procs):
-    p = start(procs, SWAP, str(node), os.devnull)
+    p = start(procs, SWAP_IN_PLACE, str(node), os.devnull)
     s = scanner_on(node)
     s.full()
     p.stdin.write(b"go\n")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for, workload_cmd
+from conftest import SWAP_IN_PLACE, wait_for, workload_cmd
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Gpu
@@ -236,26 +236,13 @@ def test_a_descriptor_passed_to_a_process_is_found_without_an_open(tmp_path, sim
     wait_for(lambda: young.pid in holders_of(d, 0), timeout=5, what="the young receiver found by a poll")
 
 
-SWAP_IN_PLACE = """
-import os, sys
-fd = os.open(os.devnull, os.O_RDONLY)
-print("ready", flush=True)
-sys.stdin.readline()
-node = os.open(sys.argv[1], os.O_RDONLY)
-os.dup2(node, fd)
-os.close(node)
-print("open", flush=True)
-sys.stdin.read()
-"""
-
-
 def test_an_opener_that_swaps_its_descriptor_in_place_is_named_by_the_kernel(
     tmp_path, sim, daemon_factory, procs
 ):
     # Open, dup2 onto a descriptor it had, close the new one: its count of open files is what it was, so
     # the search by counts passes it over (a full scan would find it). fanotify names the opener: it is
     # read first and the workload is stopped before the rest of /proc is read.
-    swapper = start(procs, SWAP_IN_PLACE, sim.device(0))
+    swapper = start(procs, SWAP_IN_PLACE, sim.device(0), os.devnull)
     assert swapper.stdout.readline() == b"ready\n"
     d = daemon_factory(
         miner(tmp_path),
@@ -263,5 +250,5 @@ def test_an_opener_that_swaps_its_descriptor_in_place_is_named_by_the_kernel(
         args=("--debug",),
     )
     d.wait_running("miner")
-    go(swapper)  # (the polls and the signature passes compare counts: only the open's search can find it)
+    go(swapper, b"swapped\n")  # (polls and signature passes compare counts: only the search finds it)
     d.wait_log(rf"stopping miner before reading the rest of /proc: .*\[{swapper.pid}\] holds", timeout=5)
