@@ -26,6 +26,7 @@ FAN_Q_OVERFLOW = 0x00004000
 AT_FDCWD = -100
 _META = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 _MAX_PIDS = 64  # pids kept between two takes (a process opening in a loop must not grow this)
+_MAX_READS = 16  # reads of the queue per call (~2500 events)
 
 
 class Fanotify:
@@ -65,8 +66,8 @@ class Fanotify:
 
     def read(self) -> None:
         """Collect the pids of the opens the kernel reported (0, a process outside our pid namespace, left
-        out)."""
-        while True:
+        out). At most _MAX_READS reads: a flood of opens must not hold the loop (the rest waits)."""
+        for _ in range(_MAX_READS):
             try:
                 data = os.read(self.fd, 8192)
             except (BlockingIOError, InterruptedError):

@@ -23,6 +23,7 @@ IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len
 _MASK = IN_OPEN | IN_DELETE_SELF | IN_MOVE_SELF
+_MAX_READS = 16
 
 
 class Inotify:
@@ -60,7 +61,7 @@ class Inotify:
         """Drain pending events: (paths that were opened, whether watches must be renewed)."""
         opened: List[str] = []
         renew = False
-        while True:
+        for _ in range(_MAX_READS):  # (opens in a loop keep the queue filling: the rest waits for next time)
             try:
                 data = os.read(self.fd, 65536)
             except BlockingIOError:
