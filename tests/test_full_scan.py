@@ -33,6 +33,12 @@ def start(procs: list, code: str, *args: str) -> subprocess.Popen:
     return p
 
 
+def waiting(pid: int) -> bool:
+    """Whether a process sleeps (ours block in a read: they run again only when input comes)."""
+    st = procfs.read_stat(pid)
+    return st is not None and st.state == "S"
+
+
 def scanner_on(node: Path) -> holders.HolderScanner:
     s = holders.HolderScanner(skip_pids=(os.getpid(),))
     if not s.incremental:
@@ -54,6 +60,7 @@ def test_the_kernel_counts_how_often_a_process_runs():
 
 def test_a_full_scan_reads_again_only_processes_that_ran(node, procs):
     idle = start(procs, IDLE)
+    wait_for(lambda: waiting(idle.pid), what="the idle process to wait for input")  # (it runs on a moment)
     s = scanner_on(node)
     assert int(idle.pid) in s.full().rescanned  # (the first reads every process)
     assert idle.pid not in s.full().rescanned
