@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import WORKLOAD_PYTHON, wait_for, workload_cmd
+from conftest import SWAP_IN_PLACE, WORKLOAD_PYTHON, wait_for, workload_cmd
 
 SLOW_FULL = {"full_scan_seconds": 600, "interval_seconds": 0.1, "start_delay_seconds": 0.3}
 
@@ -26,19 +26,6 @@ def holders_of(d, index: int) -> set:
     return {h["pid"] for h in gpus[index]["holders"]} if len(gpus) > index else set()
 
 
-SWAP = """
-import os, sys, time
-fd = os.open("/dev/null", os.O_RDONLY)  # a placeholder descriptor
-print("ready", flush=True)
-sys.stdin.readline()
-g = os.open(sys.argv[1], os.O_RDONLY)
-os.dup2(g, fd)  # the GPU now sits where /dev/null was: the open-fd count is what it was
-os.close(g)
-print("swapped", flush=True)
-time.sleep(600)
-"""
-
-
 def test_a_descriptor_swapped_in_place_is_found_by_the_open_event(tmp_path, sim, daemon_factory, procs):
     # The cause of a CI flake: a poll that came in the same wake as the open event used to drop the event
     # and scan incrementally, which cannot see a same-count swap; only the 60 s full scan then found it.
@@ -46,7 +33,9 @@ def test_a_descriptor_swapped_in_place_is_found_by_the_open_event(tmp_path, sim,
     for _ in range(3):
         d.wait_running("miner")
         p = subprocess.Popen(
-            [sys.executable, "-c", SWAP, sim.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-c", SWAP_IN_PLACE, sim.device(0), os.devnull],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         procs.append(p)
         assert p.stdout.readline() == b"ready\n"

@@ -194,19 +194,6 @@ class _Entry:
 
 
 @dataclass
-class _FullScan:
-    """A full scan under way: the processes listed when it began and how far it got."""
-
-    pids: List[str]
-    maps: bool
-    every: bool
-    at: int = 0
-    next_check: int = 0
-    paused: bool = False  # it paused at least once (processes may have come and gone meanwhile)
-    result: ScanResult = field(default_factory=lambda: ScanResult())
-
-
-@dataclass
 class ScanResult:
     """Raw result of a scan: pid -> GPUs it holds, unreadable processes, pids that were read."""
 
@@ -218,6 +205,19 @@ class ScanResult:
     complete: bool = True  # False: a search stopped at what it looked for (the next `changed` reads the rest)
     paused: bool = False  # a scan stopped because `pause` said so (call it again to go on)
     nodes: Dict[int, FrozenSet[Tuple[str, str]]] = field(default_factory=dict)  # pid -> (uuid, path)
+
+
+@dataclass
+class _FullScan:
+    """A full scan under way: the processes listed when it began and how far it got."""
+
+    pids: List[str]
+    maps: bool
+    every: bool
+    at: int = 0
+    next_check: int = 0
+    paused: bool = False  # it paused at least once (processes may have come and gone meanwhile)
+    result: ScanResult = field(default_factory=ScanResult)
 
 
 class _Reader:
@@ -489,10 +489,10 @@ class HolderScanner:
     def _unchanged(self, pid: str, old: Optional[_Entry], maps: bool) -> bool:
         """Whether a process that holds nothing has not run since it was read (nor changed its table), and,
         for a maps scan, since a maps scan last looked at its maps."""
-        since = old.ran_maps if maps and old is not None else old.ran if old is not None else None
-        if since is None or old is None or old.gpus or old.signature is None:
+        if old is None or old.gpus or old.signature is None:
             return False
-        if procfs.read_ran(pid, self.proc) != since:
+        since = old.ran_maps if maps else old.ran
+        if since is None or procfs.read_ran(pid, self.proc) != since:
             return False
         return self._signature(pid) == old.signature
 

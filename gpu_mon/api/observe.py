@@ -61,7 +61,7 @@ class Observer:
         self._ours_seen: Dict[int, float] = {}  # pid -> when it was last seen as ours (monotonic)
         # (pid, start) of processes found not to descend from gpu-mon or its workloads: that never changes
         # (a process is only ever reparented to one of its ancestors), so their ancestry is walked once.
-        self._not_descendants: Dict[Tuple[int, int], None] = {}
+        self._not_descendants: Set[Tuple[int, int]] = set()
 
     def take_scan_times(self) -> Tuple[Tuple[str, float], ...]:
         """(mode, seconds) of the holder scans since the last call."""
@@ -197,7 +197,7 @@ class Observer:
         if h.start_ticks:
             if len(self._not_descendants) >= _MAX_NOT_DESCENDANTS:
                 self._not_descendants.clear()
-            self._not_descendants[key] = None
+            self._not_descendants.add(key)
         return h
 
     def nvml_processes(self, ours: Set[int]) -> Tuple[Holder, ...]:

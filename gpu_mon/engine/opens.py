@@ -1,7 +1,9 @@
 """Opens of GPU nodes as events: inotify IN_OPEN watches on every node the observer names (each GPU's
 device node, and the nodes of other mount namespaces that a scan found holding one).
 
-The kernel says that a node was opened, not by whom: openers.py works that out."""
+inotify says that a node was opened, not by whom. As root, fanotify marks on the same nodes name the
+opener's pid (fanotify.py), which the opener search reads first; openers.py tells whether what the scans
+read explains an open, and keeps the opens no readable process explains (a plain user's case)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class OpenWatch:
             log.debug("no opener pids from fanotify (%s)", err.strerror)
 
     def stop(self, remove_reader: Callable[[int], None]) -> None:
-        """Close the inotify fd (and forget pending opens)."""
+        """Close the inotify fd and the fanotify group (and forget pending opens)."""
         if self.inotify is not None:
             remove_reader(self.inotify.fd)
             self.inotify.close()
