@@ -4,6 +4,7 @@ run under the daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -265,3 +266,52 @@ def test_a_second_sigterm_skips_every_step_to_sigkill(tmp_path, sim, daemon_fact
     assert d.proc.wait(15) == 0
     line = d.wait_log(r"train\[\d+\] stopped by SIGKILL")[0]
     assert re.search(r"after \d\.\d s \(SIGINT first\)", line), line
+
+
+def _blocked(pid: int, sig: int) -> bool:
+    """Whether a process blocks a signal (SigBlk in /proc/PID/status)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", text, re.M).group(1), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_a_stop_signal_sent_before_the_command_started_reaches_it():
+    # The daemon signals the leader's group; a stop that comes before the leader has started the command
+    # (a restart right after a start) reached only the leader, which blocks it: the command never saw it and
+    # was killed at the end of its grace. The leader now passes it on once the command runs.
+    import sys
+
+    from gpu_mon.engine.workloads import supervisor
+
+    status_r, status_w = os.pipe()
+    code = supervisor._LEADER_CODE.format(supervisor._PACKAGE_PARENT)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True
+    )
+    os.close(status_w)
+    try:
+        wait_for(lambda: _blocked(leader.pid, signal.SIGUSR1), what="the leader to block the stop signal")
+        os.killpg(leader.pid, signal.SIGUSR1)  # (before the command exists)
+        spec = {
+            "status_fd": status_w,
+            "stop_timeout_seconds": 30,
+            "stop_signal": int(signal.SIGUSR1),
+            "argv": ["sleep", "15"],
+            "dir": "/",
+            "env": {"PATH": "/usr/bin:/bin"},
+            "daemon_pid": os.getpid(),
+        }
+        leader.stdin.write(json.dumps(spec).encode())
+        leader.stdin.close()
+        with os.fdopen(status_r, "rb") as lines:
+            assert lines.readline().startswith(b"started ")
+            status = int(lines.readline().split()[1])  # `exit STATUS`: sleep's default action for SIGUSR1
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR1
+        assert leader.wait(20) == 128 + signal.SIGUSR1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()

@@ -89,6 +89,10 @@ class Leader:
     def start(self) -> Optional[int]:
         """Start the command; return an exit code when it cannot be started."""
         s = self.spec
+        # A stop signal sent to the group before the command exists reached only us (blocked, and never
+        # taken): taken here, it is passed on once the command runs (else the command never sees it, and
+        # is killed at the end of its grace instead). SIGTERM is taken by `run` in any case.
+        early = self.stop_signal in _STRAY and signal.sigtimedwait({self.stop_signal}, 0) is not None
         kwargs: dict = {}
         if s.get("switch_user"):
             kwargs.update(user=s["uid"], group=s["gid"], extra_groups=list(s["groups"]))
@@ -114,6 +118,9 @@ class Leader:
             self.report(f"error cannot start {s['argv'][0]!r}: {err}")
             return 126
         self.report(f"started {self.child.pid}")
+        if early:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpid(), self.stop_signal)  # (blocked here: the command's, only)
         return None
 
     def begin_stop(self, daemon_alive: bool = True) -> None:
