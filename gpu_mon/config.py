@@ -1089,7 +1089,8 @@ def parse(text: str, path: str = "<config>") -> Config:
             p = _process_section(sec, base, warnings)
             if p:
                 processes.append(p)
-    _cross_check(gpu_sections, processes, where, errors, warnings, path)
+    runs_jobs = queue is not None or slurm is not None
+    _cross_check(gpu_sections, processes, where, errors, warnings, path, runs_jobs)
     if bad_lines:
         errors = [e for e in errors if _line_of(e) not in bad_lines] + list(bad_lines.values())
     config = Config(
@@ -1133,8 +1134,10 @@ def _cross_check(
     errors: List[str],
     warnings: List[str],
     path: str,
+    runs_jobs: bool = False,
 ) -> None:
-    """Checks that need several sections: overlapping [gpu-*] sections, empty configs."""
+    """Checks that need several sections: overlapping [gpu-*] sections, empty configs (runs_jobs: a
+    [queue] or [slurm] acts on jobs, so no [process-*] does not mean watching only)."""
     owner: Dict[object, str] = {}
     all_section: Optional[GpuSection] = None
     for g in gpu_sections:
@@ -1159,7 +1162,7 @@ def _cross_check(
             owner[ref] = g.name
     if not gpu_sections:
         warnings.append(f"{path}: no [gpu-*] section: no GPU is watched, so no workload will ever start")
-    elif not processes:
+    elif not processes and not runs_jobs:  # ([queue] runs users' jobs; [slurm] has Slurm requeue its own)
         warnings.append(f"{path}: no [process-*] section: gpu-mon will only watch")
 
 

@@ -6,6 +6,8 @@ Only that it runs and what it prints: its timings belong to the benchmark itself
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +22,21 @@ BENCH = ROOT / "bench" / "queue.py"
 def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
     quick = ["--jobs", "20", "--baseline", "", "--trials", "1", "--hostile", "20", "--start-delay", "0.1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run(
-        [sys.executable, str(BENCH), *quick],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    # Its jobs run as root: their daemon makes root's default output directory (a fresh machine has none);
+    # what it made that was not there before is removed afterwards.
+    made = _first_missing(Path(pwd.getpwuid(os.geteuid()).pw_dir), ".local/state/gpu-mon/jobs")
+    try:
+        r = subprocess.run(
+            [sys.executable, str(BENCH), *quick],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert "CPUs; kernel" in lines[0] and lines[1].split() == ["this", "checkout"]
@@ -41,6 +50,16 @@ def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
     ]
     assert [line[: len(label)] for line, label in zip(lines[3:], labels)] == labels
     assert all(line.rstrip().endswith(("ms", "rounds)")) for line in lines[3:]) and len(lines) == 9
+
+
+def _first_missing(home: Path, below: str):
+    """The first directory of home/below that does not exist yet (None: all of it does)."""
+    path = home
+    for part in Path(below).parts:
+        path = path / part
+        if not path.exists():
+            return path
+    return None
 
 
 def test_bench_on_sys_path_does_not_hide_the_standard_librarys_queue(tmp_path):

@@ -78,3 +78,9 @@ def test_check_reports_a_bad_queue_key(tmp_path):
     assert r.returncode == 2
     assert f"{path}:4: [queue] order: 'random' is not one of fair, fifo" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_config_with_a_queue_and_no_process_section_does_not_say_it_only_watches():
+    only_watch = "no [process-*] section: gpu-mon will only watch"
+    assert [w for w in parse("[gpu-all]\ngpus = ALL\n").warnings if only_watch in w]
+    assert parse("[gpu-all]\ngpus = ALL\n[queue]\n").warnings == ()

@@ -16,10 +16,11 @@ from gpu_mon.queue.placement import (
     StartJob,
     TimeUp,
     Waiting,
+    never_fits,
     place,
     stops,
 )
-from gpu_mon.queue.words import waiting
+from gpu_mon.queue.words import refusal, waiting
 
 G0, G1 = "GPU-0", "GPU-1"
 NOW, WALL = 1000.0, 1_700_000_000.0
@@ -75,8 +76,19 @@ def test_someone_else_on_a_running_jobs_gpu_preempts_it():
 
 def test_the_start_delay_is_waited_for_and_woken_up_for():
     p = run([job(1)], (free(G0, since=NOW - 1),), delay=5.0)
-    assert p.starts == () and p.waiting[1] == Waiting("start_delay", until=NOW + 4)
+    # the wake is monotonic (as the GPUs' times); the reason's time wall-clock (as `jobs` reads it)
+    assert p.starts == () and p.waiting[1] == Waiting("start_delay", until=WALL + 4, starting=0)
     assert p.next_wake == NOW + 4
+    assert waiting(p.waiting[1], "alice", {}, WALL + 1) == "waiting: GPU free, starting in 3 s"
+
+
+def test_a_job_in_its_start_delay_counts_as_starting_for_the_running_limit():
+    p = run([job(1), job(2)], (free(G0, since=NOW), free(G1, since=NOW)), delay=5.0, max_running_per_user=1)
+    assert p.waiting[2] == Waiting("running_limit", count=1, limit=1, starting=1)
+    assert waiting(p.waiting[2], "alice", {}, WALL) == "waiting: alice has 1 starting (limit 1)"
+    running = job(3, state=J.RUNNING, gpus=(G0,), started=WALL)
+    p = run([running, job(1), job(2)], (free(G0), free(G1, since=NOW)), delay=5.0, max_running_per_user=2)
+    assert waiting(p.waiting[2], "alice", {}, WALL) == "waiting: alice has 1 running and 1 starting (limit 2)"
 
 
 def test_fifo_runs_one_users_ten_jobs_before_anothers_one_and_fair_does_not():
@@ -139,6 +151,26 @@ def test_multi_gpu_jobs_and_too_many_gpus():
     assert p.starts == (StartJob(1, (G0, G1)),)
     p = run([job(1, gpus_wanted=3)])
     assert p.waiting[1] == Waiting("too_many_gpus", count=2)
+    assert waiting(p.waiting[1], "alice", {}, NOW) == "waiting: wants more GPUs than the queue has (2)"
+
+
+def test_a_job_over_a_per_job_or_per_user_gpu_limit_says_it_can_never_start():
+    for limits, kind, words in (
+        ({"max_gpus_per_job": 1}, "over_job_limit", "waiting: wants 2 GPUs, over the limit of 1 per job"),
+        ({"max_gpus_per_user": 1}, "over_user_limit", "waiting: wants 2 GPUs, over the limit of 1 per user"),
+    ):
+        p = run([job(1, gpus_wanted=2)], **limits)
+        assert p.waiting[1] == Waiting(kind, count=2, limit=1) and p.starts == ()
+        assert waiting(p.waiting[1], "alice", {}, NOW) == words
+    assert never_fits(2, 2, QueueSection(max_gpus_per_user=2, max_gpus_per_job=2)) is None
+    assert never_fits(3, 2, QueueSection()) == Waiting("too_many_gpus", count=2)
+    assert (
+        refusal(never_fits(3, 2, QueueSection()), 3)
+        == "--gpus 3: the queue has 2 GPUs; the job could never start"
+    )
+    assert refusal(never_fits(3, 8, QueueSection(max_gpus_per_user=2)), 3) == (
+        "--gpus 3 is over the limit of 2 per user"
+    )
 
 
 def test_a_time_limit_ends_a_running_job_and_is_woken_up_for():

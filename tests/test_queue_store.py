@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sqlite3
@@ -185,3 +186,39 @@ def test_the_counts_a_submit_uses_follow_every_change_and_a_reopen(tmp_path):
         unfinished, queued = recount(s)
         assert {u: s.unfinished(u) for u in unfinished} == unfinished == {"alice": 4, "bob": 3}
         assert s.submit(new_job("carol"), 1000)[1] == queued == 5
+
+
+def test_a_database_written_before_the_preemption_fields_reads_back_and_keeps_new_ones(tmp_path):
+    """The jobs' own fields live in the row's JSON: a row an older gpu-mon wrote (no preemption, no
+    main-only stop) reads back with the defaults, and the new fields survive a reopen. The schema version
+    stays 1, so an older gpu-mon still opens the file (a newer version would make it move the queue aside)."""
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, 0.0)
+    old, _ = store.submit(new_job(), 1000)
+    store.close()
+    conn = sqlite3.connect(path)
+    (text,) = conn.execute("SELECT data FROM jobs WHERE id = ?", (old.id,)).fetchone()
+    data = json.loads(text)
+    for key in ("stop_main_only", "preempted_at", "preempted_reason", "stopped_by"):
+        del data[key]  # as an older gpu-mon wrote it
+    conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(data), old.id))
+    conn.commit()
+    conn.close()
+    store = Store.open(path, 0.0)
+    job = store.get(old.id)
+    assert job is not None
+    assert (job.preempted_at, job.preempted_reason, job.stop_main_only) == (None, "", False)
+    running = store.change(old.id, lambda j: J.started(j, ("GPU-a",), 5.0, 1, 1))
+    assert running is not None
+    store.change(old.id, lambda j: J.preempted(j, 9.5, "GPU 0 busy: bob python3[4242]"))
+    second, _ = store.submit(new_job(stop_main_only=True), 1000)
+    store.close()
+    store = Store.open(path, 0.0)
+    again = store.get(old.id)
+    assert again is not None and (again.state, again.reason) == (J.STOPPING, J.STOP_PREEMPT)
+    assert (again.preempted_at, again.preempted_reason) == (9.5, "GPU 0 busy: bob python3[4242]")
+    ended = J.ended(again, 12.0, 143)
+    assert ended.state == J.QUEUED and ended.preempted_at == 9.5  # kept past the requeue
+    assert store.get(second.id).stop_main_only is True  # type: ignore[union-attr]
+    assert sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchone() == (1,)
+    store.close()

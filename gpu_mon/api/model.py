@@ -133,6 +133,7 @@ class Exited:
     returncode: int  # exit status, or 128 + signal number
     stopped_by_us: bool
     detail: str = ""  # e.g. "command not found: 'miner-run'"
+    signal: int = 0  # the signal that ended its command (0: it exited, even with status 128 + N)
 
 
 @dataclass(frozen=True)

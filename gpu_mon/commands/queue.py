@@ -1,8 +1,8 @@
 """`gpu-mon submit`, `jobs`, `cancel`, `hold`, `release`, `logs`: the queue's front door, run by the user.
 
 Each command is one request over the daemon's socket ([queue] socket); the daemon knows the user from the
-kernel, never from what we send. The job's output file is created by the job itself, as the user; its
-default directory is made here, by the user too.
+kernel, never from what we send. The job's output file, and its default directory, are made by the job's
+own wrapper as the user (engine/queue.py), never here: the daemon knows the user's home, we only $HOME.
 """
 
 from __future__ import annotations
@@ -45,7 +45,17 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--name", default="", help="a name for `jobs` (at most 64 characters)")
     p.add_argument("--priority", type=int, default=0, metavar="P", help="higher goes first (default 0)")
     p.add_argument("--after", default="", metavar="ID[,ID...]", help="start only after these jobs are done")
-    p.add_argument("--stop-signal", default="SIGTERM", metavar="SIG", help="signal to stop it (e.g. USR1)")
+    p.add_argument(
+        "--stop-signal",
+        default="SIGTERM",
+        metavar="SIG",
+        help="signal to stop it, sent to all its processes (e.g. USR1; B:USR1 as --stop-main-only)",
+    )
+    p.add_argument(
+        "--stop-main-only",
+        action="store_true",
+        help="send the stop signal to its main process only (its SIGTERM and SIGKILL still reach all)",
+    )
     p.add_argument("--grace", type=float, metavar="SECONDS", help="stop signal to SIGKILL (default [queue])")
     p.add_argument("--time-limit", metavar="DURATION", help="stop it after this long (90, 30m, 2h, 1d)")
     p.add_argument("--output", metavar="FILE", help=f"stdout and stderr (default ~/{DEFAULT_OUTPUT}/ID.log)")
@@ -64,8 +74,8 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--user", help="only this user's jobs")
     p.add_argument("--state", choices=J.STATES, help="only jobs in this state")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    for name, what in (("cancel", "cancel"), ("hold", "hold"), ("release", "release held")):
-        p = sub.add_parser(name, help=f"{what} your jobs", description=f"{what.capitalize()} your jobs.")
+    for name, what in (("cancel", "cancel your"), ("hold", "hold your"), ("release", "release your held")):
+        p = sub.add_parser(name, help=f"{what} jobs", description=f"{what.capitalize()} jobs.")
         add_common(p, top=False, sim=False)
         p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
     p = sub.add_parser("logs", help="a job's output", description="Print a job's output file.")
@@ -135,7 +145,8 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         "gpus": args.gpus,
         "priority": args.priority,
         "after": _ids(args.after),
-        "stop_signal": args.stop_signal,
+        "stop_signal": _stop_signal(args.stop_signal),
+        "stop_main_only": args.stop_main_only or args.stop_signal.upper().startswith("B:"),
         "time_limit": _duration(args.time_limit) if args.time_limit else None,
         "output": os.path.abspath(args.output) if args.output else "",
         "requeue": not args.no_requeue,
@@ -143,8 +154,6 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
     }
     if args.grace is not None:
         req["grace"] = args.grace
-    if not args.output:
-        os.makedirs(os.path.join(os.path.expanduser("~"), DEFAULT_OUTPUT), mode=0o700, exist_ok=True)
     answer = _ask(socket, req)
     if args.json:
         print(json.dumps({"id": answer["id"], "state": answer["state"], "ahead": answer["ahead"]}))
@@ -152,6 +161,11 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         print(f"job {answer['id']} {answer['state']} ({answer['ahead']} ahead)")
     sys.stdout.flush()
     return _wait(socket, int(answer["id"])) if args.wait else base.EXIT_OK
+
+
+def _stop_signal(text: str) -> str:
+    """`B:USR1` (Slurm's --signal: to the main process only) is USR1 with --stop-main-only."""
+    return text[2:] if text.upper().startswith("B:") else text
 
 
 def _wait(socket: str, job_id: int) -> int:
@@ -227,16 +241,18 @@ def _print_json(jobs: List[dict]) -> None:
 
 def _row(j: dict) -> tuple:
     from gpu_mon.engine import words  # (only for the table: `--json` and the other commands do without)
+    from gpu_mon.queue.listing import elapsed
 
     gpus = ",".join(str(i) if i is not None else "?" for i in j.get("gpu_indices") or []) or "-"
-    ran = "-"
-    if j["state"] in J.LIVE and j.get("started"):
-        started = time.mktime(time.strptime(j["started"][:19], "%Y-%m-%dT%H:%M:%S"))
-        ran = words.duration(time.time() - started)
+    seconds = elapsed(j, time.time())
+    ran = words.duration(seconds) if seconds is not None else "-"
     what = j["name"] or " ".join(j["command"])
     why = j["reason"] or ""
-    if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is not None:
-        why = words.exit_status(int(j["exit_status"]))
+    if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is not None and not why:
+        why = words.exit_status(int(j["exit_status"]), j.get("signal") or 0)
+    if j.get("preempted") and j["state"] in (J.QUEUED, J.HELD, J.PREEMPTED, *J.LIVE):
+        last = f"last preempted at {j['preempted'][11:19]}: {j.get('preempted_reason') or '?'}"
+        why = f"{why} ({last})" if why else last
     return (
         str(j["id"]),
         sanitize(j["user"]),

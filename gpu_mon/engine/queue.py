@@ -21,6 +21,8 @@ import dataclasses
 import logging
 import os
 import pwd
+import stat
+import time
 from typing import Dict, List, Optional, Set, Tuple
 
 from gpu_mon.api.model import Exited, Snapshot
@@ -47,12 +49,20 @@ log = logging.getLogger("gpu_mon")
 
 PREFIX = "job:"
 PLACE_GAP = 0.2  # seconds between two placements that only requests (submit, cancel, ...) asked for
-# Run as the user: go to the submit directory and open the output file with the user's own rights
-# (never root's), then become the command. $1 directory, $2 output file, the rest the command.
+# Run as the user: go to the submit directory, make the default output directory (0700), open the output
+# file with the user's own rights (never root's), then become the command. $1 directory, $2 output file,
+# $3 the directory to make ("-" with --output), the rest the command. What fails is said on stderr, which the
+# leader reads (`note_stderr`) as the job's reason: `cannot open /x/3.log: Permission denied` (the shell's
+# own message ends with the error, after its last `: `).
 _WRAPPER = (
-    'cd -- "$1" || exit 126; (umask 077; : >>"$2") || exit 126; exec >>"$2" 2>&1 || exit 126; '
-    'shift 2; exec "$@"'
+    'fail() { printf "%s: %s\\n" "$1" "${2##*: }" >&2; exit 126; }; '
+    'cd -- "$1" 2>/dev/null || fail "cannot enter $1" "$([ -d "$1" ] && echo Permission denied '
+    '|| echo No such directory)"; '
+    '[ "$3" = - ] || e=$( (umask 077; mkdir -p -- "$3") 2>&1) || fail "cannot make $3" "$e"; '
+    'e=$( (umask 077; : >>"$2") 2>&1) || fail "cannot open $2" "$e"; '
+    'exec >>"$2" 2>&1 || exit 126; shift 3; exec "$@"'
 )
+_CLOCK = "%H:%M:%S"  # the time in the lines written into a job's output
 
 
 def job_key(job_id: int) -> str:
@@ -67,8 +77,9 @@ def _job_id(key: str) -> Optional[int]:
 class Queue:
     """The daemon's queue: the store, the socket, and each round's placement."""
 
-    def __init__(self, config: Config, supervisor: Supervisor, poke, wall) -> None:
+    def __init__(self, config: Config, supervisor: Supervisor, poke, wall, say=None) -> None:
         assert config.queue is not None
+        self.say = say  # the daemon's: logged, and among status's recent decisions (None: logged only)
         self.q: QueueSection = config.queue
         self.delay = (
             self.q.start_delay_seconds
@@ -161,7 +172,11 @@ class Queue:
         def restart(j: Job) -> Optional[Job]:  # (a stop under way keeps its meaning: cancel, time limit)
             return J.stopping(j, J.STOP_RESTART) if j.state == J.RUNNING else None
 
-        self.store.change_many([(j.id, restart) for j in self.store.all() if j.state == J.RUNNING])
+        changed = self.store.change_many([(j.id, restart) for j in self.store.all() if j.state == J.RUNNING])
+        for job in changed:
+            if job is not None:
+                at = time.strftime(_CLOCK, time.localtime(self.wall()))
+                note(job, f"gpu-mon: job {job.id} stopped at {at}: gpu-mon is stopping; requeued")
 
     def close(self) -> None:
         """Stop listening; close the database; let the next daemon have the queue."""
@@ -184,6 +199,13 @@ class Queue:
         self.force_place = self.dirty = True  # placed again at once, by the new rules
         if before.keep_finished_days != self.q.keep_finished_days:
             self.pruner.poke()
+
+    def _say(self, fmt: str, *args: object) -> None:
+        text = fmt % args if args else fmt
+        if self.say is not None:
+            self.say(text)
+        else:
+            log.info("%s", text)
 
     def _changed(self) -> None:
         """A request changed the queue (called from the server's thread): a round soon."""
@@ -248,7 +270,7 @@ class Queue:
             for s in self.plan.starts:
                 self._start(s, index_of, now, wall)
             last = known[-1].id if known else 0
-            self.view = View(waiting=self.plan.waiting, index_of=dict(index_of), placed_up_to=last)
+            self.view = View(self.plan.waiting, dict(index_of), placed_up_to=last, gpus=len(uuids))
         wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
         self.next_wake = min(wakes) if wakes else None
         return _without_claimed(decision, self.plan.claimed)
@@ -312,14 +334,24 @@ class Queue:
 
     def _preempt(self, plan: placement.Placement, index_of: Dict[str, int], now: float) -> None:
         """Someone else uses a job's GPU: the stop goes out first, the database after."""
+        whys = []
         for p in plan.preempt_jobs:
             why = f"{words.gpu(p.gpu, index_of)} busy: {words.reason(p.reason) if p.reason else 'unsure'}"
             self.supervisor.stop(job_key(p.job), why, now, urgent=True)
-            log.info("queue: %s; stopping job %d", why, p.job)
-        self.store.change_many(
-            (p.job, lambda j: J.stopping(j, J.STOP_PREEMPT) if j.state == J.RUNNING else None)
-            for p in plan.preempt_jobs
+            whys.append(why)
+            self._say("queue: %s; stopping job %d", why, p.job)
+        if not whys:
+            return
+        wall = self.wall()
+        changed = self.store.change_many(
+            (p.job, lambda j, w=why: J.preempted(j, wall, w) if j.state == J.RUNNING else None)
+            for p, why in zip(plan.preempt_jobs, whys)
         )
+        for job in changed:
+            if job is not None:
+                again = f"requeued (restart {job.restarts + 1})" if job.requeue else "not requeued"
+                at = time.strftime(_CLOCK, time.localtime(wall))
+                note(job, f"gpu-mon: job {job.id} preempted at {at}: {job.preempted_reason}; {again}")
 
     def _reconcile(self, now: float) -> None:
         """Jobs marked stopping (cancel, time limit, shutdown) whose workload has not been told yet."""
@@ -331,7 +363,8 @@ class Queue:
             if w is not None and not w.stopping:
                 why = {J.STOP_CANCEL: "cancelled", J.STOP_TIMEOUT: "time limit"}.get(job.reason, job.reason)
                 self.supervisor.stop(job_key(job.id), why, now)
-                log.info("queue: job %d (%s): %s; stopping it", job.id, sanitize(job.user), why)
+                self._say("queue: job %d (%s): %s; stopping it", job.id, sanitize(job.user), why)
+                note(job, _stop_line(job, self.wall()))
             elif w is None and job.id not in self.orphans:
                 gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
         wall = self.wall()
@@ -378,7 +411,7 @@ class Queue:
                 self._launch(job, s.gpus),
                 f"job {job.id}",
                 now,
-                StopRule(signal=job.stop_signal, grace=job.grace, urgent_grace=job.grace),
+                StopRule(job.stop_signal, job.grace, job.grace, main_only=job.stop_main_only),
             )
         except StartError as err:
             detail = str(err)
@@ -390,7 +423,7 @@ class Queue:
         stat = read_stat(w.pid)
         ticks = stat.start_ticks if stat else 0
         self.store.change(job.id, lambda j: dataclasses.replace(j, leader_pid=w.pid, leader_ticks=ticks))
-        log.info(
+        self._say(
             "queue: starting job %d[%d] of %s on %s (restart %d): %s",
             job.id,
             w.pid,
@@ -405,17 +438,21 @@ class Queue:
             job = self.store.get(_job_id(ex.key) or 0)
             new = self.store.change(
                 _job_id(ex.key) or 0,
-                lambda j, rc=ex.returncode: J.ended(j, wall, rc) if j.state in J.LIVE else None,
+                lambda j, rc=ex.returncode, sig=ex.signal: (
+                    J.ended(j, wall, rc, sig) if j.state in J.LIVE else None
+                ),
             )
             if job is None or new is None:
                 continue
+            if new.state == J.FAILED and ex.detail:  # (the leader's: its output could not be opened, ...)
+                new = self.store.change(new.id, lambda j, d=ex.detail: _reason(j, d)) or new
             self.force_place = True
             after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
-            log.info(
+            self._say(
                 "queue: job %d of %s %s: %s%s",
                 job.id,
                 sanitize(job.user),
-                words.exit_status(ex.returncode),
+                words.exit_status(ex.returncode, ex.signal),
                 new.state if new.state != J.QUEUED else "back in the queue",
                 after,
             )
@@ -433,7 +470,8 @@ class Queue:
             log.info("queue: job %d: not passed to its unit (systemd refuses them): %s", job.id, names)
         what = f"gpu-mon job {job.id} of {job.user} (restart {job.restarts})"
         argv = transient.command(
-            name, what, direct.argv, env, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to
+            *(name, what, direct.argv, env, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to),
+            main_only=job.stop_main_only,
         )
         unit = Unit(name, transient.unit_group(name), bound=self.bind_to is not None)
         return Launch(argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit)
@@ -484,15 +522,68 @@ def _launch(job: Job, gpus: Tuple[str, ...]) -> Launch:
         except KeyError:
             name = str(job.uid)
         raise StartError(f"cannot run as {name}: gpu-mon is not running as root")
+    output = output_of(job)
+    make = "-" if job.output else os.path.dirname(output)  # (--output's directory is the user's to make)
     return Launch(
-        argv=("/bin/sh", "-c", _WRAPPER, "gpu-mon-job", job.cwd, output_of(job), *job.command),
+        argv=("/bin/sh", "-c", _WRAPPER, "gpu-mon-job", job.cwd, output, make, *job.command),
         dir="/",
         env=env,
         uid=job.uid,
         gid=job.gid,
         groups=groups_of(job.uid, job.gid),
         switch_user=switch,
+        note_stderr=True,
     )
+
+
+def _reason(job: Job, reason: str) -> Job:
+    return dataclasses.replace(job, reason=reason)
+
+
+def _stop_line(job: Job, wall: float) -> str:
+    """The line a cancel or time limit writes into the job's output."""
+    at = time.strftime(_CLOCK, time.localtime(wall))
+    if job.reason == J.STOP_CANCEL:
+        by = f" by {job.stopped_by}" if job.stopped_by else ""
+        return f"gpu-mon: job {job.id} cancelled at {at}{by}"
+    if job.reason == J.STOP_TIMEOUT:
+        limit = f" ({words.duration(job.time_limit)})" if job.time_limit else ""
+        return f"gpu-mon: job {job.id} reached its time limit{limit} at {at}; stopping it"
+    return f"gpu-mon: job {job.id} stopped at {at}: {job.reason}"
+
+
+def note(job: Job, text: str) -> bool:
+    """One line into the job's output, as Slurm writes into a job's: root writes it, so only into a regular
+    file that the job's user owns and may write, never through a symbolic link at its end, and never by
+    opening anything else (O_PATH first: a device or FIFO put there is not opened). Whether it was written."""
+    path = output_of(job)
+    try:
+        where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
+        return False
+    try:
+        st = os.fstat(where)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != job.uid or not st.st_mode & stat.S_IWUSR:
+            log.info("queue: job %d: %s is not a file of its user: no line written", job.id, sanitize(path))
+            return False
+        # The inode just checked, opened again (not the path: it may have changed since)
+        fd = os.open(f"/proc/self/fd/{where}", os.O_RDWR | os.O_APPEND | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as err:
+        log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
+        return False
+    finally:
+        os.close(where)
+    try:
+        size = os.fstat(fd).st_size
+        apart = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""  # (after a partial line)
+        os.write(fd, apart + (sanitize(text, limit=1000) + "\n").encode("utf-8", "backslashreplace"))
+        return True
+    except OSError as err:
+        log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _without_claimed(decision: Decision, claimed: Dict[str, int]) -> Decision:

@@ -79,14 +79,18 @@ def start(s: Start, index_of: Dict[str, int]) -> str:
     return f"{gpus} free for {s.free_seconds:.0f} s"
 
 
-def exit_status(code: int) -> str:
-    """`exited with status 1`, `was killed by signal 9`, `could not start (command not found, ...)`."""
+def exit_status(code: int, killed_by: Optional[int] = None) -> str:
+    """`exited with status 1`, `was killed by signal 9`, `could not start (command not found, ...)`.
+    killed_by: the signal that ended it, 0 when it exited (a command that traps SIGTERM and exits 143 did not
+    die of it); None when not known, then a status over 128 is read as a signal."""
+    if killed_by is None and code > 128:
+        killed_by = code - 128
+    if killed_by:
+        return f"was killed by signal {killed_by}"
     if code == 127:
         return "could not start (command not found, status 127)"
     if code == 126:
         return "could not start (permission denied or not executable, status 126)"
-    if code > 128:
-        return f"was killed by signal {code - 128}"
     return f"exited with status {code}"
 
 
@@ -95,10 +99,10 @@ def last_exit(ex: Optional[Exited]) -> str:
     if ex is None:
         return ""
     if ex.stopped_by_us:
-        return f"stopped by gpu-mon ({exit_status(ex.returncode)})"
+        return f"stopped by gpu-mon ({exit_status(ex.returncode, ex.signal)})"
     ran = max(0.0, ex.ended_at - ex.started_at)
     detail = f" ({sanitize(ex.detail)})" if ex.detail else ""
-    return f"{exit_status(ex.returncode)} after {ran:.1f} s{detail}"
+    return f"{exit_status(ex.returncode, ex.signal)} after {ran:.1f} s{detail}"
 
 
 def restarting(e: Restarting) -> str:

@@ -38,6 +38,7 @@ class Job:
     priority: int = 0
     after: Tuple[int, ...] = ()
     stop_signal: int = 15
+    stop_main_only: bool = False  # the stop signal reaches only its main process (SIGTERM, SIGKILL: all)
     grace: float = 30.0
     time_limit: Optional[float] = None
     requeue: bool = True
@@ -47,11 +48,15 @@ class Job:
     ended: Optional[float] = None
     restarts: int = 0
     exit_status: Optional[int] = None
+    signal: int = 0  # the signal that ended its last run (0: it exited; exit_status is 128 + it when not 0)
     reason: str = ""  # why it ended as it did, or why it is stopping (STOP_*)
     gpu_seconds: float = 0.0  # over all its runs that ended
     leader_pid: int = 0  # the leader of its current run, and its start ticks (for a daemon restart)
     leader_ticks: int = 0
     queued_at: Optional[float] = None  # when it last went back to the queue (None: waits since submitted)
+    stopped_by: str = ""  # who cancelled it while it ran (with STOP_CANCEL)
+    preempted_at: Optional[float] = None  # its last preemption (wall time), and why: `GPU 1 busy: ...`
+    preempted_reason: str = ""
 
     @property
     def env_dict(self) -> Dict[str, str]:
@@ -67,15 +72,22 @@ def started(job: Job, gpus: Tuple[str, ...], now: float, leader_pid: int, leader
         gpus=gpus,
         started=now,
         ended=None,
+        exit_status=None,  # (the last run's, until this one ends)
+        signal=0,
         reason="",
         leader_pid=leader_pid,
         leader_ticks=leader_ticks,
     )
 
 
-def stopping(job: Job, why: str) -> Job:
-    """A stop is under way (why: one of STOP_*)."""
-    return dataclasses.replace(job, state=STOPPING, reason=why)
+def stopping(job: Job, why: str, by: str = "") -> Job:
+    """A stop is under way (why: one of STOP_*; by: who cancelled it)."""
+    return dataclasses.replace(job, state=STOPPING, reason=why, stopped_by=by)
+
+
+def preempted(job: Job, now: float, why: str) -> Job:
+    """Someone else took one of its GPUs (why: `GPU 1 busy: bob python3[4242]`): it is stopping."""
+    return dataclasses.replace(stopping(job, STOP_PREEMPT), preempted_at=now, preempted_reason=why)
 
 
 def waited_since(job: Job) -> float:
@@ -87,10 +99,13 @@ def _ran(job: Job, now: float) -> float:
     return max(0.0, now - (job.started or now)) * max(1, len(job.gpus))
 
 
-def ended(job: Job, now: float, returncode: int) -> Job:
-    """Its run ended: done, failed, or what its stop was for (back in the queue after a preemption)."""
+def ended(job: Job, now: float, returncode: int, signal: int = 0) -> Job:
+    """Its run ended: done, failed, or what its stop was for (back in the queue after a preemption).
+    signal: the one that ended it (0: it exited with returncode)."""
     used = job.gpu_seconds + _ran(job, now)
-    base = dataclasses.replace(job, gpu_seconds=used, leader_pid=0, leader_ticks=0, exit_status=returncode)
+    base = dataclasses.replace(
+        job, gpu_seconds=used, leader_pid=0, leader_ticks=0, exit_status=returncode, signal=signal
+    )
     if job.state == STOPPING and job.reason == STOP_PREEMPT:
         if job.requeue:
             return dataclasses.replace(
@@ -103,11 +118,14 @@ def ended(job: Job, now: float, returncode: int) -> Job:
             state=QUEUED,
             restarts=job.restarts + 1,
             exit_status=None,
+            signal=0,
             reason="gpu-mon restarted",
             queued_at=now,
         )
     if job.state == STOPPING and job.reason == STOP_TIMEOUT:
-        return dataclasses.replace(base, state=TIMEOUT, ended=now, exit_status=124, reason="time limit")
+        return dataclasses.replace(
+            base, state=TIMEOUT, ended=now, exit_status=124, signal=0, reason="time limit"
+        )
     if job.state == STOPPING and job.reason == STOP_CANCEL:
         return dataclasses.replace(base, state=CANCELLED, ended=now, reason="cancelled while running")
     state = DONE if returncode == 0 else FAILED
@@ -118,14 +136,14 @@ def run_lost(job: Job, now: float) -> Job:
     """Its run is gone with an earlier daemon (no exit status seen): a stop under way ends as it was meant
     to (a cancel cancelled, a time limit timeout); a running job goes back to the queue, as a restart."""
     if job.state == STOPPING and job.reason != STOP_RESTART:
-        return ended(job, now, 128 + 9)
+        return ended(job, now, 128 + 9, 9)
     return dataclasses.replace(requeued_after_restart(job), restarts=job.restarts + 1, queued_at=now)
 
 
 def requeued_after_restart(job: Job) -> Job:
     """The daemon that ran it is gone (and its processes with it): back in the queue, in its place."""
     return dataclasses.replace(
-        job, state=QUEUED, leader_pid=0, leader_ticks=0, reason="daemon restarted", exit_status=None
+        job, state=QUEUED, leader_pid=0, leader_ticks=0, reason="daemon restarted", exit_status=None, signal=0
     )
 
 

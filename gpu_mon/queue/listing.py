@@ -8,6 +8,7 @@ changes, so `is` tells whether the pieces are still good. Strings are encoded as
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from typing import Dict, Iterable, Optional, Tuple
@@ -30,6 +31,24 @@ def iso(t: Optional[float]) -> Optional[str]:
             _ISO.clear()
         text = _ISO[second] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(second))
     return text
+
+
+def run_seconds(j: Job) -> Optional[int]:
+    """How long an ended job's last run lasted, in whole seconds (None: it is not ended, or never ran). A
+    run that went back to the queue ended then (queued_at), not when the job was cancelled there later."""
+    if j.state not in J.ENDED or j.started is None:
+        return None
+    back = j.queued_at if j.queued_at is not None and j.queued_at >= j.started else None
+    end = back if back is not None else j.ended
+    return None if end is None else int(max(0.0, end - j.started))
+
+
+def elapsed(j: dict, now: float) -> Optional[float]:
+    """The TIME of `jobs`' table: how long a running job has run, how long an ended one's last run
+    lasted; None for one waiting (or that never ran)."""
+    if j["state"] in J.LIVE and j.get("started"):
+        return max(0.0, now - datetime.datetime.strptime(j["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp())
+    return j.get("run_seconds")
 
 
 def _value(v: object) -> str:
@@ -57,6 +76,8 @@ def _pieces(j: Job) -> Tuple[bytes, bytes, bytes]:
         f',"gpus_wanted":{_value(j.gpus_wanted)},"priority":{_value(j.priority)},'
         f'"submitted":{_time(j.submitted)},"started":{_time(j.started)},"ended":{_time(j.ended)},'
         f'"restarts":{_value(j.restarts)},"exit_status":{_value(j.exit_status)},'
+        f'"signal":{_value(j.signal or None)},"run_seconds":{_value(run_seconds(j))},'
+        f'"preempted":{_time(j.preempted_at)},"preempted_reason":{_string(j.preempted_reason)},'
         f'"command":{_strings(j.command)}}}'
     )
     return head.encode(), gpus.encode(), tail.encode()

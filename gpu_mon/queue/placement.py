@@ -79,8 +79,10 @@ class PreemptWorkload:
 @dataclass(frozen=True)
 class Waiting:
     """Why a queued job does not start now. kind: busy (gpu, reason), taken (gpu, by_job or by_workload),
-    after (after), running_limit / gpu_limit (count, limit), ahead (count), start_delay (until),
-    too_many_gpus (count: the queue's GPUs)."""
+    after (after), running_limit (count running, starting: of them placed but not yet started; limit),
+    gpu_limit (count, limit), ahead (count), start_delay (until: wall-clock, as the jobs' times are),
+    too_many_gpus (count: the queue's GPUs), over_job_limit / over_user_limit (count: GPUs wanted, limit:
+    GPUs per job or per user; it can never start under these limits)."""
 
     kind: str
     gpu: str = ""
@@ -91,6 +93,7 @@ class Waiting:
     count: int = 0
     limit: int = 0
     until: Optional[float] = None
+    starting: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class _Users:
     """Per user: GPUs and jobs running (this round's starts included), GPU-seconds over the window."""
 
     running: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    starting: Dict[str, int] = field(default_factory=lambda: defaultdict(int))  # of running: not yet started
     gpus: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     usage: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
@@ -180,8 +184,11 @@ def _order(cands: List[Job], users: _Users, fair: bool) -> List[Job]:
 
 
 class _Placer:
-    def __init__(self, gpus: Sequence[GpuView], q: QueueSection, delay: float, now: float, users: _Users):
-        self.gpus, self.q, self.delay, self.now, self.users = list(gpus), q, delay, now, users
+    def __init__(
+        self, gpus: Sequence[GpuView], q: QueueSection, delay: float, now: float, wall: float, users: _Users
+    ):
+        self.gpus, self.q, self.delay, self.users = list(gpus), q, delay, users
+        self.now, self.wall = now, wall  # monotonic (the GPUs' free_since), wall-clock (the jobs' times)
         self.claimed: Dict[str, int] = {}
         self.starts: List[StartJob] = []
         self.preempt_workloads: List[PreemptWorkload] = []
@@ -199,13 +206,13 @@ class _Placer:
         return wait
 
     def _limits(self, job: Job) -> Optional[Waiting]:
+        never = never_fits(job.gpus_wanted, len(self.gpus), self.q)
+        if never is not None:
+            return never
         q, u = self.q, self.users
-        if q.max_gpus_per_job and job.gpus_wanted > q.max_gpus_per_job:
-            return Waiting("gpu_limit", count=job.gpus_wanted, limit=q.max_gpus_per_job)
-        if job.gpus_wanted > len(self.gpus):
-            return Waiting("too_many_gpus", count=len(self.gpus))
         if q.max_running_per_user and u.running[job.user] >= q.max_running_per_user:
-            return Waiting("running_limit", count=u.running[job.user], limit=q.max_running_per_user)
+            running, limit = u.running[job.user], q.max_running_per_user
+            return Waiting("running_limit", count=running, limit=limit, starting=u.starting[job.user])
         if q.max_gpus_per_user and u.gpus[job.user] + job.gpus_wanted > q.max_gpus_per_user:
             return Waiting("gpu_limit", count=u.gpus[job.user], limit=q.max_gpus_per_user)
         return None
@@ -230,11 +237,13 @@ class _Placer:
             for g in with_workload:
                 if not g.workload_stopping:
                     self.preempt_workloads.append(PreemptWorkload(g.workload, job.id, g.uuid))
+            self.users.starting[job.user] += 1
             return Waiting("taken_for", gpu=with_workload[0].uuid, by_workload=with_workload[0].workload)
         ready_at = max((g.free_since if g.free_since is not None else self.now) for g in chosen) + self.delay
         if ready_at > self.now:
-            self.wakes.append(ready_at)
-            return Waiting("start_delay", until=ready_at)
+            self.wakes.append(ready_at)  # (monotonic, as the GPUs' free_since; the reason says wall-clock)
+            self.users.starting[job.user] += 1
+            return Waiting("start_delay", until=self.wall + (ready_at - self.now))
         self.starts.append(StartJob(job.id, tuple(g.uuid for g in chosen)))
         return None
 
@@ -250,6 +259,17 @@ class _Placer:
             if g.workload:
                 return Waiting("taken", gpu=g.uuid, by_workload=g.workload)
         return Waiting("ahead", count=0)
+
+
+def never_fits(gpus_wanted: int, queue_gpus: int, q: QueueSection) -> Optional[Waiting]:
+    """Why a job that wants this many GPUs can never start under the queue's GPUs and limits, or None."""
+    if q.max_gpus_per_job and gpus_wanted > q.max_gpus_per_job:
+        return Waiting("over_job_limit", count=gpus_wanted, limit=q.max_gpus_per_job)
+    if q.max_gpus_per_user and gpus_wanted > q.max_gpus_per_user:
+        return Waiting("over_user_limit", count=gpus_wanted, limit=q.max_gpus_per_user)
+    if gpus_wanted > queue_gpus:
+        return Waiting("too_many_gpus", count=queue_gpus)
+    return None
 
 
 def stops(jobs: Sequence[Job], gpus: Sequence[GpuView], now: float, wall: float) -> Placement:
@@ -279,7 +299,7 @@ def place(
     out: dict = {"preempt": [], "time_up": [], "wakes": []}
     _running(jobs, views, now, wall, out)
     users = _users(jobs, wall, q.fair_window_hours * 3600)
-    placer = _Placer(gpus, q, start_delay, now, users)
+    placer = _Placer(gpus, q, start_delay, now, wall, users)
     for j in jobs:
         if j.state in J.LIVE:
             for u in j.gpus:

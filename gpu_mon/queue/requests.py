@@ -14,16 +14,18 @@ import pwd
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import Listing, iso
-from gpu_mon.queue.placement import Waiting
+from gpu_mon.queue.listing import Listing, iso, run_seconds
+from gpu_mon.queue.placement import Waiting, never_fits
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, Encoded
+from gpu_mon.queue.runs import how_it_ended
 from gpu_mon.queue.store import Refused, Store
+from gpu_mon.queue.words import refusal
 from gpu_mon.queue.words import waiting as waiting_words
 
 MAX_COMMAND = 64 * 1024
@@ -55,6 +57,7 @@ class View:
     waiting: Dict[int, Waiting] = dataclasses.field(default_factory=dict)
     index_of: Dict[str, int] = dataclasses.field(default_factory=dict)
     placed_up_to: int = 0  # the highest job id the last placement knew
+    gpus: Optional[int] = None  # how many GPUs the queue had then (None: not placed yet)
 
 
 def default_output(home: str, job_id: int) -> str:
@@ -144,8 +147,7 @@ class Requests:
         if not os.path.isabs(cwd):
             raise Bad("the submit directory must be an absolute path")
         gpus = _int(req, "gpus", 1, 1)
-        if q.max_gpus_per_job and gpus > q.max_gpus_per_job:
-            raise Bad(f"--gpus {gpus} is over the limit of {q.max_gpus_per_job} per job", 1)
+        self._could_start(gpus)
         grace = _number(req, "grace", q.grace_seconds)
         if grace > q.max_grace_seconds:
             raise Bad(f"--grace {grace:g} is over the limit of {q.max_grace_seconds:g} s", 1)
@@ -180,11 +182,20 @@ class Requests:
             priority=_int(req, "priority", 0, -1000000),
             after=tuple(after),
             stop_signal=_signal(req.get("stop_signal", "SIGTERM")),
+            stop_main_only=bool(req.get("stop_main_only", False)),
             grace=grace,
             time_limit=limit,
             requeue=bool(req.get("requeue", True)),
             state=J.HELD if req.get("hold") else J.QUEUED,
         )
+
+    def _could_start(self, gpus: int) -> None:
+        """Refuse a job that could never start under the queue's GPUs and limits as they are now (one that
+        a reload left so keeps waiting, with its reason)."""
+        known = self.view().gpus
+        never = never_fits(gpus, known if known is not None else gpus, self.queue)
+        if never is not None:
+            raise Bad(refusal(never, gpus), 1)
 
     # ------------------------------------------------------------------ jobs
 
@@ -259,11 +270,11 @@ class Requests:
 
         def cancel(job: Job) -> Job:
             if job.state in (J.QUEUED, J.HELD):
-                return J.cancelled(job, time.time(), f"cancelled by {who}")
+                return J.cancelled(job, time.time(), cancelled_reason(job, who))
             if job.state == J.RUNNING:
-                return J.stopping(job, J.STOP_CANCEL)
+                return J.stopping(job, J.STOP_CANCEL, by=who)
             if job.state == J.STOPPING and job.reason != J.STOP_CANCEL:
-                return dataclasses.replace(job, reason=J.STOP_CANCEL)
+                return dataclasses.replace(job, reason=J.STOP_CANCEL, stopped_by=who)
             if job.state == J.STOPPING:
                 return job
             raise Bad(f"job {job.id} has already ended ({job.state})", 1)
@@ -304,6 +315,14 @@ def output_of(job: Job) -> str:
     return default_output(home, job.id)
 
 
+def cancelled_reason(job: Job, who: str) -> str:
+    """`cancelled by alice`; for a job back in the queue after a run, how that run ended, in the word
+    `report --by job` gives it (`cancelled by root while queued (last run preempted)`)."""
+    if job.started is None:
+        return f"cancelled by {who}"
+    return f"cancelled by {who} while {job.state} (last run {how_it_ended(job)})"
+
+
 def describe(j: Job, view: View, now: float) -> dict:
     """A job as `jobs --json` shows it."""
     indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
@@ -338,6 +357,10 @@ def _described(j: Job, reason: str, indices: tuple) -> dict:
         "ended": iso(j.ended),
         "restarts": j.restarts,
         "exit_status": j.exit_status,
+        "signal": j.signal or None,
+        "run_seconds": run_seconds(j),
+        "preempted": iso(j.preempted_at),
+        "preempted_reason": j.preempted_reason,
         "command": list(j.command),
     }
 

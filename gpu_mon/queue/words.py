@@ -25,7 +25,7 @@ def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
     if w.kind == "after":
         return f"after job {w.after}"
     if w.kind == "running_limit":
-        return f"{sanitize(user)} has {w.count} running (limit {w.limit})"
+        return f"{sanitize(user)} has {_running(w.count, w.starting)} (limit {w.limit})"
     if w.kind == "gpu_limit":
         return f"{sanitize(user)} has {w.count} GPUs (limit {w.limit})"
     if w.kind == "ahead":
@@ -39,4 +39,22 @@ def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
         return f"{_gpu(w.gpu, index_of)} {doing} workload {sanitize(w.by_workload)}"
     if w.kind == "too_many_gpus":
         return f"wants more GPUs than the queue has ({w.count})"
+    if w.kind in ("over_job_limit", "over_user_limit"):
+        return f"wants {w.count} GPUs, over the limit of {w.limit} per {w.kind.split('_')[1]}"
     return w.kind
+
+
+def _running(count: int, starting: int) -> str:
+    """`2 running`, `1 running and 1 starting` (placed, waiting out its start delay), `1 starting`."""
+    running = count - starting
+    if not starting:
+        return f"{running} running"
+    return f"{running} running and {starting} starting" if running else f"{starting} starting"
+
+
+def refusal(w: Waiting, wanted: int) -> str:
+    """Why `submit` refuses a job that could never start (sbatch refuses so): one line."""
+    if w.kind == "too_many_gpus":
+        gpus = f"{w.count} GPU{'s' if w.count != 1 else ''}"
+        return f"--gpus {wanted}: the queue has {gpus}; the job could never start"
+    return f"--gpus {wanted} is over the limit of {w.limit} per {w.kind.split('_')[1]}"

@@ -7,12 +7,13 @@ those that escaped with setsid are found); it gets DAEMON_GONE when the daemon d
 a descendant lives, so the daemon can always signal the group by the leader's pid without PID reuse.
 
 Stopping: while the daemon lives it drives a stop (stopping.py): the workload's `stop_signal` to the main
-process group (the leader leaves it blocked), then SIGTERM, which the leader also passes (with SIGCONT, for
-stopped ones) to every descendant, then SIGKILL. The leader's own SIGKILL comes a second after the daemon's,
-as a backstop. When the daemon has died (the leader gets DAEMON_GONE as its parent-death signal), the leader
-runs the same steps itself with the full grace. SIGKILL: with a cgroup (the daemon moved the leader into the
-workload's group before sending the spec) by writing `cgroup.kill`, which takes the leader too; without one,
-by killing every descendant again and again until none is left.
+process group (the leader leaves it blocked; with `stop_main_only` the daemon sends the leader MAIN_STOP
+instead, and the leader sends the stop signal to the main process alone), then SIGTERM, which the leader also
+passes (with SIGCONT, for stopped ones) to every descendant, then SIGKILL. The leader's own SIGKILL comes a
+second after the daemon's, as a backstop. When the daemon has died (the leader gets DAEMON_GONE as its
+parent-death signal), the leader runs the same steps itself with the full grace. SIGKILL: with a cgroup (the
+daemon moved the leader into the workload's group before sending the spec) by writing `cgroup.kill`, which
+takes the leader too; without one, by killing every descendant again and again until none is left.
 
 Protocol: the daemon writes a JSON spec to the leader's stdin and closes it; the leader reports on the
 status fd named in the spec, one line each: `started PID`, `exit STATUS` (the command's wait status, when it
@@ -46,7 +47,10 @@ from gpu_mon.engine.workloads import cgroups, linux
 # the daemon's SIGTERM step: asking whether the daemon is alive (getppid) instead was racy, as the kernel
 # hands us to the dying daemon's other threads first.
 DAEMON_GONE = signal.SIGRTMIN
-_SIGNALS = {signal.SIGTERM, signal.SIGCHLD, DAEMON_GONE}
+# From the daemon: send the stop signal to the main process alone (`stop_main_only`); only we may, as only
+# we reap it (its pid cannot be another process's while we have not).
+MAIN_STOP = signal.SIGRTMIN + 1
+_SIGNALS = {signal.SIGTERM, signal.SIGCHLD, DAEMON_GONE, MAIN_STOP}
 # Blocked and never taken, so a stray signal cannot kill the leader and orphan its workload, and a workload's
 # stop_signal sent to its process group reaches the command only; the command gets them unblocked again.
 _STRAY = {
@@ -71,6 +75,9 @@ class Leader:
         self.status_fd: int = int(spec["status_fd"])
         self.stop_timeout: float = float(spec["stop_timeout_seconds"])
         self.stop_signal = int(spec.get("stop_signal", signal.SIGTERM))
+        self.main_only = bool(spec.get("stop_main_only"))
+        self.main_signalled = False  # the stop signal went to the main process (MAIN_STOP)
+        self.note_fd: Optional[int] = None  # the command's stderr until it redirects it (`note_stderr`)
         self.term_pending = False  # the stop signal was not SIGTERM: SIGTERM comes when its grace is over
         self.cgroup: Optional[str] = spec.get("cgroup")
         self.unit: Optional[str] = spec.get("unit_cgroup")
@@ -96,6 +103,13 @@ class Leader:
         kwargs: dict = {}
         if s.get("switch_user"):
             kwargs.update(user=s["uid"], group=s["gid"], extra_groups=list(s["groups"]))
+        note_w = None
+        if s.get("note_stderr"):
+            # What the command says on stderr before it sends it elsewhere (a queue job's wrapper: why its
+            # output file cannot be opened) is read when it ends, and becomes the workload's `error` line.
+            self.note_fd, note_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            os.set_blocking(note_w, True)
+            kwargs.update(stderr=note_w)
         try:
             self.child = subprocess.Popen(
                 s["argv"],
@@ -117,6 +131,9 @@ class Leader:
         except (OSError, ValueError, subprocess.SubprocessError) as err:
             self.report(f"error cannot start {s['argv'][0]!r}: {err}")
             return 126
+        finally:
+            if note_w is not None:
+                os.close(note_w)
         self.report(f"started {self.child.pid}")
         if early:
             with contextlib.suppress(ProcessLookupError):
@@ -134,11 +151,15 @@ class Leader:
             # While the daemon lives it escalates (and says so); we follow a second later, as a backstop.
             backstop = 1.0 if daemon_alive and self.main_status is None else 0.0
             self.deadline = time.monotonic() + self.stop_timeout + backstop
-            if not daemon_alive and self.main_status is None and self.stop_signal != signal.SIGTERM:
+            first = self.stop_signal != signal.SIGTERM or self.main_only
+            if not daemon_alive and self.main_status is None and first:
                 self.term_pending = True
                 if self.unit:
                     cgroups.signal_all(self.unit, self.stop_signal)
                     cgroups.signal_all(self.unit, signal.SIGCONT)
+                    return
+                if self.main_only:
+                    self.signal_main()
                     return
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(os.getpid(), self.stop_signal)
@@ -147,6 +168,15 @@ class Leader:
         elif not daemon_alive:
             return  # told again (the kernel signals once per dying thread of the daemon): nothing new
         self.term_all()
+
+    def signal_main(self) -> None:
+        """The stop signal (and SIGCONT) to the main process alone, once; not after it has ended."""
+        if self.child is None or self.main_status is not None or self.main_signalled:
+            return
+        self.main_signalled = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child.pid, self.stop_signal)
+            os.kill(self.child.pid, signal.SIGCONT)
 
     def term_all(self) -> None:
         """SIGTERM and SIGCONT to every descendant (a unit's: every process in its group)."""
@@ -195,7 +225,22 @@ class Leader:
             if self.child is not None and pid == self.child.pid:
                 self.child.returncode = 0  # stop Popen from waiting on it again
                 self.main_status = status
+                self.read_note()
                 self.report(f"exit {status}")
+
+    def read_note(self) -> None:
+        """The last line the command wrote on its stderr before redirecting it, as an `error` line."""
+        if self.note_fd is None:
+            return
+        try:
+            data = os.read(self.note_fd, 4096)
+        except OSError:
+            data = b""
+        os.close(self.note_fd)
+        self.note_fd = None
+        lines = [line for line in data.decode("utf-8", "backslashreplace").splitlines() if line.strip()]
+        if lines:
+            self.report(f"error {lines[-1]}")
 
     def run(self) -> int:
         """Wait for signals and children until nothing of the workload is left; return the exit code."""
@@ -218,7 +263,9 @@ class Leader:
                 if timeout is not None
                 else signal.sigwaitinfo(_SIGNALS)
             )
-            if info is not None and info.si_signo != signal.SIGCHLD:
+            if info is not None and info.si_signo == MAIN_STOP:
+                self.signal_main()
+            elif info is not None and info.si_signo != signal.SIGCHLD:
                 self.begin_stop(daemon_alive=info.si_signo != DAEMON_GONE)
         return _exit_code(self.main_status)
 

@@ -1,7 +1,8 @@
 """How a workload is stopped: a signal it may checkpoint on, a grace, then SIGTERM, then SIGKILL.
 
 A stop is a sequence of steps, each a signal to the workload's main process group and a wait: `stop_signal`
-for the grace (the full `stop_timeout_seconds`, or `urgent_stop_timeout_seconds` when a foreign process
+(to the main process alone with `main_only`: a queue job's `--stop-main-only`) for the grace (the full
+`stop_timeout_seconds`, or `urgent_stop_timeout_seconds` when a foreign process
 opened the GPU and is about to allocate memory); then, when `stop_signal` is not SIGTERM, SIGTERM for
 TERM_STEP_SECONDS (at most the grace); then SIGKILL to everything the workload started. Pure data: the
 supervisor sends the signals.
@@ -25,11 +26,13 @@ class StopRule:
     signal: int = signal.SIGTERM
     grace: float = 10.0
     urgent_grace: float = 2.0
+    main_only: bool = False  # the first step reaches only the main process (the leader's child)
 
     def steps(self, urgent: bool) -> Tuple[Tuple[int, float], ...]:
-        """(signal, seconds to wait after it) in order; SIGKILL follows the last."""
+        """(signal, seconds to wait after it) in order; SIGKILL follows the last. With `main_only` the
+        first goes to the main process alone, and SIGTERM to every process follows it (even a SIGTERM)."""
         grace = min(self.urgent_grace, self.grace) if urgent else self.grace
-        if self.signal == signal.SIGTERM:
+        if self.signal == signal.SIGTERM and not self.main_only:
             return ((signal.SIGTERM, grace),)
         return ((self.signal, grace), (signal.SIGTERM, min(TERM_STEP_SECONDS, grace)))
 

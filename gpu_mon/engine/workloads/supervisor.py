@@ -34,6 +34,7 @@ from gpu_mon.api.text import sanitize
 from gpu_mon.config import ProcessSection
 from gpu_mon.engine.decisions import Instance
 from gpu_mon.engine.workloads import cgroups, linux
+from gpu_mon.engine.workloads.leader import MAIN_STOP
 from gpu_mon.engine.workloads.stopping import StopRule, signal_name
 from gpu_mon.engine.workloads.transient import Unit
 
@@ -71,6 +72,8 @@ class Launch:
     stdio: Optional[Tuple[int, int, int]] = None
     # argv is `systemd-run --wait` starting this unit (transient.py): stops go to the unit's processes
     unit: Optional[Unit] = None
+    # the last line the command writes on stderr before redirecting it is why it ended (leader.py)
+    note_stderr: bool = False
 
 
 @dataclass
@@ -225,6 +228,8 @@ class Supervisor:
             "stdin_fd": stdio[0] if launch.stdio is not None else None,
             "daemon_pid": self.own_pid,
             "stop_signal": rule.signal,
+            "stop_main_only": rule.main_only,
+            "note_stderr": launch.note_stderr,
             "stop_timeout_seconds": rule.grace,
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
             "cgroup": self._contain(popen.pid, label),
@@ -296,13 +301,28 @@ class Supervisor:
 
     def _next_step(self, w: Workload, now: float) -> None:
         sig, wait = w.steps.pop(0)
+        first = not w.sent
         w.sent.append(sig)
         w.step_at, w.kill_at = now, now + wait
+        if first and w.rule.main_only:
+            self._signal_main(w, sig)
+            return
         if w.unit is not None:
             self._signal_unit(w, sig)
             return
         _killpg(w.pid, sig)
         _killpg(w.pid, signal.SIGCONT)  # a stopped process sees its signal only once it runs
+
+    def _signal_main(self, w: Workload, sig: int) -> None:
+        """The stop signal to the main process alone: told to the leader (MAIN_STOP), which reaps it and
+        so alone may signal it by pid; a unit's main process through `systemctl kill --kill-whom=main`."""
+        if w.unit is not None:
+            helper = w.unit.systemctl_kill(sig, whom="main")
+            if helper is not None:
+                self.helpers[helper.pid] = helper
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, MAIN_STOP)  # (our unreaped child: its pid is still the leader's)
 
     def _signal_unit(self, w: Workload, sig: int) -> None:
         """A step of a transient unit's stop: to every process in the unit (never to its systemd-run
@@ -431,6 +451,7 @@ class Supervisor:
             returncode=returncode,
             stopped_by_us=w.stopping,
             detail=w.detail,
+            signal=_killed_by(w, code),
         )
         self.exits.append(ex)
         return ex
@@ -683,6 +704,16 @@ def _read_some(fd: int, budget: int) -> Tuple[bytes, bool]:
         chunks.append(chunk)
         budget -= len(chunk)
     return b"".join(chunks), eof
+
+
+def _killed_by(w: Workload, code: int) -> int:
+    """The signal that ended the command (0: it exited): as systemd-run or the leader (its `exit` line)
+    reported it, else the leader's own end. Tells a command killed by SIGTERM from one that exited 143."""
+    if w.unit is not None:
+        return w.unit.killed_by
+    if w.exit_status is not None:
+        return os.WTERMSIG(w.exit_status) if os.WIFSIGNALED(w.exit_status) else 0
+    return -code if code < 0 else 0
 
 
 def _status_code(status: int) -> int:

@@ -133,13 +133,16 @@ def command(
     stop_signal: int,
     grace: float,
     bind_to: Optional[str],
+    main_only: bool = False,
 ) -> List[str]:
-    """The `systemd-run` command line that runs `argv` as a transient service of its user."""
+    """The `systemd-run` command line that runs `argv` as a transient service of its user (`main_only`: its
+    stop signal goes to its main process alone, SIGKILL to all, when systemd stops it)."""
     out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
     out += ["--service-type=exec", "--collect", f"--slice={SLICE}", "--working-directory=/"]
     out += [f"--description={description}"]
     # When systemd stops it by itself (gpu-mon died): the job's stop signal and grace, then SIGKILL.
-    out += ["-p", "KillMode=control-group", "-p", f"KillSignal={int(stop_signal)}"]
+    mode = "mixed" if main_only else "control-group"  # (mixed: the stop signal to the main process alone)
+    out += ["-p", f"KillMode={mode}", "-p", f"KillSignal={int(stop_signal)}"]
     out += ["-p", f"TimeoutStopSec={max(1, int(grace + 1.999))}", "-p", "SendSIGKILL=yes"]
     if bind_to:
         # A stop of gpu-mon's unit (and its death: systemd restarts it) stops the job, never a restart
@@ -159,6 +162,7 @@ class Unit:
         self.group = group
         self.bound = bound  # systemd stops it with gpu-mon's own unit (command()'s bind_to)
         self.status: Optional[int] = None  # the main process's end, as systemd-run reported it
+        self.killed_by = 0  # the signal that ended it, as systemd-run reported it (0: it exited)
         self.helper: Optional[subprocess.Popen] = None  # the last `systemctl kill`
 
     def pids(self) -> List[int]:
@@ -181,13 +185,14 @@ class Unit:
         """Whether any process of the unit is left (False once its group is gone)."""
         return bool(self.group) and cgroups.populated(str(self.group))
 
-    def systemctl_kill(self, sig: int) -> Optional[subprocess.Popen]:
-        """The slow way (a process spawned, not waited for here): where the unit's group cannot be read."""
+    def systemctl_kill(self, sig: int, whom: str = "all") -> Optional[subprocess.Popen]:
+        """The slow way (a process spawned, not waited for here): where the unit's group cannot be read;
+        and the way to signal its main process alone (`whom="main"`)."""
         if self.helper is not None and self.helper.poll() is None:
             return None  # the last one is still at it
         try:
             self.helper = subprocess.Popen(
-                ["systemctl", "kill", f"--signal={int(sig)}", "--kill-whom=all", self.name],
+                ["systemctl", "kill", f"--signal={int(sig)}", f"--kill-whom={whom}", self.name],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -207,6 +212,7 @@ class Unit:
         m = _ENDED.match(line)
         if m:
             self.status = _status(m.group(1), m.group(2))
+            self.killed_by = self.status - 128 if m.group(1) != "exited" and self.status > 128 else 0
         return line.startswith(_INFO)
 
     def returncode(self, client: int) -> int:
