@@ -6,8 +6,10 @@
 1. Starts `python -c "import torch; x = torch.zeros(1, device='cuda'); input()"`; waits until NVML lists it.
 2. Runs `gpu-mon status --json` with the real backend (no config) and checks that the process is listed on
    its GPU both by the device-node scan and by NVML.
-3. Times every NVML call gpu-mon makes, per GPU, over --reads looks (median and p99, microseconds), and one
-   whole look (`NvmlBackend.read()`), which is what each polling round costs.
+3. Times every NVML call gpu-mon makes, per GPU, over --reads looks (median and p99, microseconds), and two
+   whole looks apart: a poll's look (`read(process_utilization=False)`, what most polling rounds cost) and
+   a full look (`read()`, with per-process utilization: what the daemon takes every 5th poll, at least
+   every 10 s, and what `status` without a daemon takes).
 --json FILE also writes these figures, machine-readable (what bench/gpu_proof.py reads).
 """
 
@@ -21,6 +23,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,6 +31,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background import median, percentile, table  # noqa: E402
 
 from gpu_mon.api.nvml import NvmlBackend  # noqa: E402
+
+
+def time_looks(backend: NvmlBackend, reads: int) -> Tuple[Dict[tuple, List[float]], List[float], List[float]]:
+    """(seconds of each call, of each full look, of each poll's look) over `reads` looks of each kind,
+    alternated so that both see the same GPU state."""
+    timings: Dict[tuple, List[float]] = defaultdict(list)
+    whole: List[float] = []
+    poll: List[float] = []
+    for _ in range(reads):
+        for looks, utilization in ((whole, True), (poll, False)):
+            t = time.perf_counter()
+            backend.read(process_utilization=utilization)
+            looks.append(time.perf_counter() - t)
+            if utilization:
+                for key, seconds in backend.last_timings.items():
+                    timings[key].append(seconds)
+    return timings, whole, poll
 
 
 def main() -> int:
@@ -92,31 +112,19 @@ def main() -> int:
             [sys.executable, "-m", "gpu_mon", "status"], capture_output=True, text=True, env=env
         )
         print(text.stdout)
-        timings = defaultdict(list)
-        whole = []
-        for _ in range(a.reads):
-            t = time.perf_counter()
-            backend.read()
-            whole.append(time.perf_counter() - t)
-            for key, seconds in backend.last_timings.items():
-                timings[key].append(seconds)
+        timings, whole, poll = time_looks(backend, a.reads)
         rows = [
             [name, "all" if index < 0 else index, f"{median(v) * 1e6:.0f}", f"{percentile(v, 99) * 1e6:.0f}"]
             for (name, index), v in sorted(timings.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         ]
-        rows.append(
-            [
-                "one whole look (read())",
-                "all",
-                f"{median(whole) * 1e6:.0f}",
-                f"{percentile(whole, 99) * 1e6:.0f}",
-            ]
-        )
+        for label, looks in (("a poll's look (no per-process utilization)", poll), ("a full look", whole)):
+            rows.append([label, "all", f"{median(looks) * 1e6:.0f}", f"{percentile(looks, 99) * 1e6:.0f}"])
         result["calls_us"] = {
             f"{name} GPU {'all' if index < 0 else index}": [median(v) * 1e6, percentile(v, 99) * 1e6]
             for (name, index), v in timings.items()
         }
         result["whole_look_us"] = [median(whole) * 1e6, percentile(whole, 99) * 1e6]
+        result["poll_look_us"] = [median(poll) * 1e6, percentile(poll, 99) * 1e6]
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"NVML call times over {a.reads} looks, {len(reading.gpus)} GPU(s), one CUDA process running:")

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import List
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "preempt.py"
 # Small enough that, without the checks, the benchmark would run (and fail late) within the timeout.
@@ -62,3 +64,49 @@ def test_bad_numbers_are_a_usage_error(tmp_path):
     assert r.stderr.splitlines()[-1].endswith(
         "--trials must be at least 1, --procs and --jobs at least 0, --idle-seconds more than 0"
     )
+
+
+# ----- bench/gpu_preempt.py without a GPU: its options and the daemon it would run
+
+GPU_PREEMPT = ROOT / "bench" / "gpu_preempt.py"
+
+
+def gpu_preempt_module():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_preempt
+
+    return gpu_preempt
+
+
+@pytest.mark.parametrize("value", ["150%", "0%", "90", "lots", "-5%"])
+def test_gpu_preempt_foreign_alloc_must_be_a_share_of_the_gpu(value):
+    r = subprocess.run(
+        [sys.executable, str(GPU_PREEMPT), f"--foreign-alloc={value}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.splitlines()[-1].endswith(
+        f"argument --foreign-alloc: {value!r}: expected a percent of the GPU's total, such as 90%"
+    ), r.stderr
+
+
+def test_gpu_preempt_greedy_newcomer_and_the_stressors_own_hold(tmp_path):
+    gp = gpu_preempt_module()
+    assert gp.share("90%") == 0.9 and gp.share("100%") == 1.0
+    assert gp.held_fraction("88%") == 0.88 and gp.held_fraction("default") is None
+    own = gp.daemon_config(tmp_path, "default")
+    assert " -m gpu_mon stress --report-seconds 30\n" in own and "--memory" not in own
+    assert " -m gpu_mon stress --memory 88% --report-seconds 30\n" in gp.daemon_config(tmp_path, "88%")
+    for script in (gp.FOREIGN, gp.FOREIGN_LIBCUDA):  # the share comes from the command line, no retry
+        assert "share = float(sys.argv[1])" in script and "total // 2" not in script
+
+
+def test_gpu_preempt_summary_leaves_disturbed_trials_out():
+    gp = gpu_preempt_module()
+    trial = {"ok": True, "freed_ms": 200.0, "off_list_ms": 300.0, "ready_ms": 250.0}
+    disturbed = {**trial, "ok": False, "freed_ms": -469.0, "disturbed": "stopped for a monitor"}
+    (row,) = gp.summary_rows([trial, disturbed])
+    assert row == [1, 1, 0, "200", "200", "300", "300", "250"]
+    assert gp.summary_rows([disturbed]) == []

@@ -9,6 +9,7 @@ import json
 import textwrap
 from typing import Any, Dict, List, Tuple
 
+from proof import openers
 from proof.checks import CHECKS, FAILED, Judged, by_name
 
 HEADERS = ("check", "README claims", "measured", "verdict")
@@ -56,8 +57,13 @@ def header_lines(record: Dict[str, Any]) -> List[str]:
 
 
 def footer_lines(record: Dict[str, Any]) -> List[str]:
-    """What was left running or on the GPU after the run."""
+    """Other openers of the GPU during each check (not the check's own), what was left running or on the
+    GPU after the run."""
     lines = []
+    for entry in record.get("checks", []):
+        seen = openers.words((entry.get("figures") or {}).get("foreign_openers") or ())
+        if seen:
+            lines.append(f"{entry['name']}: foreign openers made the daemon stop the workload: {seen}")
     for entry in record.get("checks", []):
         for left in entry.get("left", []):
             lines.append(f"{entry['name']} left a process running (ended by the proof): {left}")

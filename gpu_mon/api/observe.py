@@ -4,6 +4,7 @@ front of the pure policy: it touches the host, the policy only sees the Snapshot
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ _MAX_NOT_DESCENDANTS = 4096
 class Backend(Protocol):
     """NvmlBackend or SimBackend."""
 
-    def read(self) -> GpuReading: ...
+    def read(self, process_utilization: bool = True) -> GpuReading: ...
 
     def close(self) -> None: ...
 
@@ -43,6 +44,8 @@ class Observer:
         self.scanner = holders.HolderScanner(proc, skip_pids=(self.own_pid,))
         self.wall = wall
         self.reading = GpuReading(gpus=(), error="not read yet")
+        # (uuid, pid) -> utilization_pct of the last look that asked for per-process samples
+        self.sampled: Dict[Tuple[str, int], int] = {}
         self.node_errors: Dict[str, str] = {}
         self.holders: Tuple[Holder, ...] = ()
         self.last_rescanned: Set[int] = set()  # pids whose descriptors the last scan read
@@ -69,9 +72,17 @@ class Observer:
         self.scan_times.clear()
         return out
 
-    def read_gpus(self) -> GpuReading:
-        """Read the backend and point the holder scan at the current device nodes."""
-        self.reading = self.backend.read()
+    def read_gpus(self, process_utilization: bool = True) -> GpuReading:
+        """Read the backend and point the holder scan at the current device nodes. Without
+        `process_utilization` the backend does not ask for per-process samples: a process keeps the
+        utilization the last look that asked found for it on that GPU, and one it did not find there is
+        unknown (None), never 0."""
+        reading = self.backend.read(process_utilization=process_utilization)
+        if process_utilization:
+            self.sampled = sampled_utilization(reading)
+        else:
+            reading = with_sampled(reading, self.sampled)
+        self.reading = reading
         targets, self.node_errors = holders.device_targets(self.reading.gpus)
         self.scanner.set_targets(targets)
         return self.reading
@@ -245,6 +256,31 @@ class Observer:
             nvml_procs=self.nvml_processes(ours_set),
             node_errors=tuple(sorted(self.node_errors.items())),
         )
+
+
+def sampled_utilization(reading: GpuReading) -> Dict[Tuple[str, int], int]:
+    """{(uuid, pid): utilization_pct} of every process whose utilization the reading knows."""
+    return {
+        (g.uuid, p.pid): p.utilization_pct
+        for g in reading.gpus
+        if g.uuid
+        for p in g.processes or ()
+        if p.utilization_pct is not None
+    }
+
+
+def with_sampled(reading: GpuReading, sampled: Dict[Tuple[str, int], int]) -> GpuReading:
+    """The reading with each listed process's utilization as `sampled` last knew it (else None)."""
+    gpus = []
+    for g in reading.gpus:
+        if g.processes:
+            procs = tuple(
+                dataclasses.replace(p, utilization_pct=sampled.get((g.uuid or "", p.pid)))
+                for p in g.processes
+            )
+            g = dataclasses.replace(g, processes=procs)
+        gpus.append(g)
+    return dataclasses.replace(reading, gpus=tuple(gpus))
 
 
 def unexplained(before: GpuReading, after: GpuReading, known: Iterable[Holder]) -> bool:

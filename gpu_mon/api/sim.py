@@ -12,6 +12,7 @@ its SM utilization as NVML's per-process samples would report it; absent means u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -38,6 +39,14 @@ def _int(value: Any, where: str, minimum: int = 0) -> Optional[int]:
     if value > 1 << 53:
         raise SimError(f"{where}: number too large")
     return int(value)
+
+
+def _unsampled(gpu: Gpu) -> Gpu:
+    """The GPU with every process's utilization unknown."""
+    if not gpu.processes:
+        return gpu
+    procs = tuple(dataclasses.replace(p, utilization_pct=None) for p in gpu.processes)
+    return dataclasses.replace(gpu, processes=procs)
 
 
 def _read_regular(path: str, limit: int) -> bytes:
@@ -188,15 +197,25 @@ class SimBackend:
                         f"{gpu.device}: cannot create the simulated device: {err.strerror or err}"
                     ) from None
 
-    def read(self) -> GpuReading:
-        """One look at the simulated GPUs; never raises."""
+    def read(self, process_utilization: bool = True) -> GpuReading:
+        """One look at the simulated GPUs; never raises. Without `process_utilization`, every process's
+        utilization is unknown (None), as NvmlBackend leaves it when it does not ask for the samples."""
         try:
             gpus = self.load()
             if self.create_devices:
                 self._ensure_devices(gpus)
         except SimError as err:
             return GpuReading(gpus=(), error=str(err))
+        if process_utilization:
+            gpus = tuple(self.sample_processes(g) for g in gpus)
+        else:
+            gpus = tuple(_unsampled(g) for g in gpus)
         return GpuReading(gpus=gpus)
+
+    def sample_processes(self, gpu: Gpu) -> Gpu:
+        """The per-process utilization samples, as the file gives them (NvmlBackend's costly call; a
+        test's stand-in counts it)."""
+        return gpu
 
     def close(self) -> None:
         """Nothing to release."""
