@@ -106,10 +106,11 @@ def build_parser(only_queue: bool = False) -> argparse.ArgumentParser:
     _add_common(p, top=False)
     p = sub.add_parser(
         "check",
-        help="validate the config and check it against this host; exit 0 or 2",
+        help="validate the config and check it against this host; exit 0, 1 or 2",
         description="Read the config and report every problem at once, with its file and line: then "
         "check it against this host (the GPUs, users, commands and directories it names). Problems "
-        "that would stop the daemon exit 2; warnings alone exit 0.",
+        "that would stop the daemon exit 2; GPUs that cannot be read (NVML does not start, or a GPU the "
+        "config names is unreadable: every GPU would count as busy) exit 1; warnings alone exit 0.",
     )
     _add_common(p, top=False)
     p = sub.add_parser("status", help="GPUs, who holds each, terminal users, workloads")

@@ -83,13 +83,38 @@ def test_check_warns_about_placeholders(tmp_path, sim):
     assert "no user 'user1' on this host" in r.stderr
 
 
-def test_check_without_gpu_or_driver_is_a_warning(conf):
-    # No --sim: the real NVML, and there is no NVIDIA driver on a CI machine.
+def test_check_without_gpu_or_driver_is_a_runtime_failure(conf):
+    # No --sim: the real NVML, and there is no NVIDIA driver on a CI machine. Every GPU would count as busy
+    # and nothing would ever run, so `gpu-mon check && systemctl restart gpu-mon` must stop here.
     r = gpu_mon("--config", str(conf), "check")
-    if "0 GPU(s) seen" not in r.stdout and r.returncode == 0:
+    if r.returncode == 0 and "NVML" in r.stdout:
         pytest.fail("expected a machine without NVIDIA GPUs; run the gpu-marked tests on GPU machines")
-    assert r.returncode == 0
-    assert "cannot check the GPUs the config names: NVML" in r.stderr
+    assert r.returncode == 1, r.stderr
+    assert r.stdout == ""
+    lines = [line for line in r.stderr.splitlines() if not line.startswith("warning: ")]
+    assert len(lines) == 1 and lines[0].startswith("NVML: ") and "every GPU would count as busy" in lines[0]
+    no_traceback(r)
+
+
+def test_check_with_an_unreadable_gpu_the_config_names_is_a_runtime_failure(tmp_path, sim):
+    path = write_config(tmp_path / "c.conf", "[gpu-one]\ngpus = 1\n")
+    sim.set(0, error="GPU is lost")  # not named: a warning-free pass
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 0, r.stderr
+    sim.set(0, error=None)
+    sim.gpus[1]["memory_used_mib"] = None  # (set() would drop the key)
+    sim.write()
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check")
+    assert r.returncode == 1, r.stderr
+    assert f"GPU 1 ({sim.uuid(1)}) cannot be read (memory: unreadable (simulated))" in r.stderr
+    all_conf = write_config(tmp_path / "all.conf", "[gpu-all]\ngpus = ALL\n")
+    sim.set(1, memory_used_mib=0)
+    sim.set(0, error="GPU is lost")  # under `gpus = ALL`
+    r = gpu_mon("--config", str(all_conf), "--sim", str(sim.path), "check")
+    assert r.returncode == 1 and "GPU is lost" in r.stderr, r.stderr
+    bad = write_config(tmp_path / "bad.conf", "[gpu-all]\ngpus = ALL\nbusy_memory = 3\n")
+    r = gpu_mon("--config", str(bad), "--sim", str(sim.path), "check")
+    assert r.returncode == 2, r.stderr  # a bad config says so first
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ SYSTEM_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
 APT_ENV = dict(SYSTEM_ENV, DEBIAN_FRONTEND="noninteractive")
 APT_GET = ["apt-get", "-o", "DPkg::Lock::Timeout=300"]  # wait for another apt/dpkg run instead of failing
 # What the package installs or its purge deletes, and a pip install may already have.
-OWN_PATHS = ("/etc/gpu_mon.conf", "/var/lib/gpu_mon", "/var/log/gpu-mon")
+OWN_PATHS = ("/etc/gpu_mon.conf", "/var/lib/gpu_mon", "/var/log/gpu-mon", "/tmp/gpu-mon-occupiers")
 ASIDE = ".before-test-deb"
 
 
@@ -139,6 +139,8 @@ def test_installed_files_are_the_sources(members: Dict[str, Tuple[tarfile.TarInf
     assert members["/etc/gpu_mon.conf"][1] == (ROOT / "conf" / "gpu_mon.conf").read_bytes()
     assert members[UNIT_PATH][1] == (ROOT / "systemd" / "gpu-mon.service").read_bytes()
     assert members[SENTINEL_UNIT_PATH][1] == (ROOT / "systemd" / "gpu-mon-sentinel.service").read_bytes()
+    tmpfiles = members["/usr/lib/tmpfiles.d/gpu-mon.conf"][1]
+    assert tmpfiles == (ROOT / "systemd" / "gpu-mon.tmpfiles").read_bytes()
     # The unit's Documentation= points here: not compressed.
     assert members["/usr/share/doc/gpu-mon/README.md"][1] == (ROOT / "README.md").read_bytes()
     # The fleet view's files, as they are (README "Many servers" points here).
@@ -270,14 +272,26 @@ def test_installed_command_runs(installed: str) -> None:
 
 def test_installed_config_checks_ok(installed: str) -> None:
     result = _run(["/usr/bin/gpu-mon", "check"])
-    assert result.returncode == 0, (
-        f"gpu-mon check failed ({result.returncode}):\n{result.stdout}{result.stderr}"
-    )
-    assert result.stdout.startswith("/etc/gpu_mon.conf: OK"), result.stdout
+    if result.returncode == 1 and "NVML: " in result.stderr:  # the config is good; no NVIDIA driver here
+        errors = [line for line in result.stderr.splitlines() if not line.startswith("warning: ")]
+        assert len(errors) == 1 and errors[0].startswith("NVML: "), result.stderr
+    else:
+        assert result.returncode == 0, (
+            f"gpu-mon check failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+        )
+        assert result.stdout.startswith("/etc/gpu_mon.conf: OK"), result.stdout
     st = os.stat("/etc/gpu_mon.conf")
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o644)
     conffiles = _check(["dpkg-query", "-W", "-f=${Conffiles}", "gpu-mon"])
     assert "/etc/gpu_mon.conf" in conffiles
+
+
+def test_installed_occupiers_registry_is_made_by_root(installed: str) -> None:
+    # Made at install (and at every boot) before any user can squat it (api/occupiers.py).
+    entry = Path("/usr/lib/tmpfiles.d/gpu-mon.conf").read_text().splitlines()[-1]
+    assert entry == "d /tmp/gpu-mon-occupiers 1777 root root -"
+    st = os.lstat("/tmp/gpu-mon-occupiers")
+    assert (stat.S_ISDIR(st.st_mode), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (True, 0, 0, 0o1777)
 
 
 def test_installed_unit_is_enabled_not_started(installed: str) -> None:
@@ -305,6 +319,7 @@ def test_purge_leaves_nothing(installed: str) -> None:
         "/etc/gpu_mon.conf",
         UNIT_PATH,
         "/usr/lib/python3/dist-packages/gpu_mon",
+        "/tmp/gpu-mon-occupiers",
     ):
         assert not os.path.lexists(path), f"{path} left behind"
     assert not os.path.lexists(ENABLE_LINK), f"{ENABLE_LINK} left behind"

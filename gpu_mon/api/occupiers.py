@@ -1,11 +1,15 @@
 """Every user's `gpu-mon occupy` occupier on this host, readable by anyone, forgeable by no one.
 
-Each occupier keeps one record, `UID-PID.json`, in a world-writable sticky directory (like /tmp itself:
-anyone may add a file, only its owner may change or remove it). Who a record belongs to is the file's
-owner as the kernel reports it, never what the file says: a record is believed only when its owner, the
-uid in its name and the uid it claims agree, and its pid is still the process that wrote it (same start
-time, same owner). Anything else is skipped. Records of occupiers killed with SIGKILL stay until their
-owner's next occupier removes them; a dead pid is never shown.
+Each occupier keeps one record, `UID-PID.json`, in a world-writable sticky directory (like /tmp itself: anyone
+may add a file, only its owner may change or remove it). Only root makes that directory (at boot, from
+systemd/gpu-mon.tmpfiles; or a root occupier): one that another user made or could change (not root's, or
+writable by others without the sticky bit) is not trusted: its owner could remove or replace anyone's record,
+so nothing is written there and nothing in it is believed.
+
+Who a record belongs to is the file's owner as the kernel reports it, never what the file says: a record
+is believed only when its owner, the uid in its name and the uid it claims agree, and its pid is still the
+process that wrote it (same start time, same owner). Anything else is skipped. Records of occupiers killed
+with SIGKILL stay until their owner's next occupier removes them; a dead pid is never shown.
 """
 
 from __future__ import annotations
@@ -38,9 +42,32 @@ def record_name(uid: int, pid: int) -> str:
     return f"{uid}-{pid}.json"
 
 
+def registry_problem(directory: str) -> Optional[str]:
+    """Why the registry cannot be trusted, in one phrase; None when it is root's and no one else may remove
+    or replace its records (or it does not exist: then it holds nothing to believe)."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"{directory}: {err.strerror or err}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a directory"
+    fix = "root must remove it; systemd-tmpfiles --create makes it again, 1777 root:root"
+    if st.st_uid != 0:
+        owner = procfs.user_name(st.st_uid)
+        return f"{directory} is owned by {owner}, not root, who may remove any record ({fix})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"{directory} is writable by others and not sticky: anyone may remove any record ({fix})"
+    return None
+
+
 def list_occupiers(directory: Optional[str] = None, proc: str = procfs.PROC) -> List[dict]:
-    """The live occupiers' records (each with `user` set from the file's owner), oldest first."""
+    """The live occupiers' records (each with `user` set from the file's owner), oldest first; none from a
+    registry that is not trusted (registry_problem)."""
     directory = directory or registry_dir()
+    if registry_problem(directory):
+        return []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -51,7 +78,9 @@ def list_occupiers(directory: Optional[str] = None, proc: str = procfs.PROC) -> 
 
 def stale_records(directory: str, uid: int, proc: str = procfs.PROC) -> List[str]:
     """Paths of `uid`'s records whose occupier is gone (for that user to remove)."""
-    out = []
+    out: List[str] = []
+    if registry_problem(directory):
+        return out
     try:
         names = os.listdir(directory)
     except OSError:

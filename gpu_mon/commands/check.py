@@ -8,6 +8,7 @@ import shutil
 from typing import Callable, List, Tuple
 
 from gpu_mon.api import holders
+from gpu_mon.api.model import GpuReading
 from gpu_mon.commands import base, statedir
 from gpu_mon.config import Config, ConfigError, GpuSection, ProcessSection, line_of, sort_by_line
 from gpu_mon.engine import policy
@@ -124,19 +125,35 @@ def _load(args: argparse.Namespace) -> Config:
     return config
 
 
+def unreadable_gpus(config: Config, reading: GpuReading, plan: policy.Plan) -> List[str]:
+    """The GPUs the config watches that cannot be read (each would always count as busy), one line each."""
+    every = any(g.gpus.all for g in config.gpu_sections)
+    found = []
+    for gpu in reading.gpus:
+        named = gpu.uuid in plan.rules if gpu.uuid else every
+        errors = policy.blinding_errors(gpu) or (["uuid: unreadable"] if gpu.uuid is None else [])
+        if named and errors:
+            found.append(f"{gpu.label} cannot be read ({'; '.join(errors)}): it will always count as busy")
+    return found
+
+
 def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
-    """Exit 0 when the config is good here (warnings aside), 2 when it is not."""
+    """Exit 0 when the config is good here (warnings aside), 2 when it is not, 1 when it is but this host
+    cannot run it: the GPUs cannot be read (NVML does not start, or a GPU the config names is unreadable),
+    so every GPU would count as busy and nothing would ever run."""
     config = _load(args)
     warnings = list(config.warnings) + host_warnings(config)
     backend, source = base.backend(args)
     reading = backend.read()
     backend.close()
     errors: List[str] = []
+    host: List[str] = []  # the host cannot run it (exit 1)
     if reading.error:
-        warnings.append(f"cannot check the GPUs the config names: {reading.error}")
+        host.append(f"{reading.error}: no GPU can be read, so every GPU would count as busy and nothing run")
     else:
         plan = policy.resolve(config, reading.gpus)
         errors.extend(f"{config.path}:{p}" for p in plan.problems)
+        host.extend(unreadable_gpus(config, reading, plan))
         _targets, node_errors = holders.device_targets(reading.gpus)
         for uuid, why in node_errors.items():
             if uuid in plan.rules:
@@ -150,10 +167,12 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
     _state_file_problem(config, errors, warnings)
     for w in warnings:
         say(f"warning: {w}", 4)
-    for e in errors:
+    for e in errors + host:
         say(e, 3)
     if errors:
         return base.EXIT_USAGE
+    if host:
+        return base.EXIT_FAILURE
     print(
         f"{config.path}: OK: {len(config.gpu_sections)} [gpu-*] and {len(config.processes)} [process-*] "
         f"section(s); {len(reading.gpus)} GPU(s) seen ({source}); {len(warnings)} warning(s)"

@@ -182,9 +182,12 @@ def cmd_occupy(args: argparse.Namespace) -> int:
 
 def status_all(args: argparse.Namespace) -> int:
     """Every user's live occupier (api/occupiers.py): exit 0, or 3 when there is none."""
-    from gpu_mon.api.occupiers import list_occupiers, registry_dir
+    from gpu_mon.api.occupiers import list_occupiers, registry_dir, registry_problem
     from gpu_mon.outputs.status import occupier_lines
 
+    problem = registry_problem(registry_dir())
+    if problem:
+        print(f"gpu-mon occupy: warning: no record believed: {problem}", file=sys.stderr)
     found = list_occupiers()
     if args.json:
         print(json.dumps({"occupiers": found, "registry": registry_dir()}, indent=2))

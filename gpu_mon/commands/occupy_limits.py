@@ -115,7 +115,14 @@ def current_user() -> Who:
 
 
 def gpus_elsewhere(uid: int) -> int:
-    """GPUs this user's live occupiers (under another state directory) take."""
+    """GPUs this user's live occupiers (under another state directory) take; CliError (exit 1) when the
+    registry that lists them cannot be trusted (fail closed)."""
+    problem = occupiers.registry_problem(occupiers.registry_dir())
+    if problem:
+        raise base.CliError(
+            f"occupy: refused: [occupy] max_gpus_per_user cannot count your other occupiers: {problem}",
+            base.EXIT_FAILURE,
+        )
     return sum(int(r.get("gpu_count") or 0) for r in occupiers.list_occupiers() if r["uid"] == uid)
 
 

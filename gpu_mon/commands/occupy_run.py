@@ -35,9 +35,12 @@ def on(args: argparse.Namespace) -> int:
         lambda: child.poll() is not None or _is_up(state, record, child.pid), oc._START_TIMEOUT
     )
     if started and child.poll() is None:
-        gpus = f"GPUs {', '.join(str(g) for g in spec.gpus)}" if spec.gpus else "every GPU"
+        many = len(spec.gpus) > 1
+        named = f"GPU{'s' if many else ''} {', '.join(str(g) for g in spec.gpus)}"
+        gpus = named if spec.gpus else "every GPU"
         print(
-            f"gpu-mon occupy: started (pid {child.pid}, {spec.mode} mode): waits until {gpus} has been free "
+            f"gpu-mon occupy: started (pid {child.pid}, {spec.mode} mode): waits until {gpus} "
+            f"{'have' if many else 'has'} been free "
             f"for {spec.wait_minutes:g} min, then runs {spec.what}{_hold_limit(spec)}\nlog: {log_path}"
         )
         return base.EXIT_OK

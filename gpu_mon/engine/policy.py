@@ -141,12 +141,17 @@ def _who(h: Holder) -> Who:
     return Who(user=h.user, name=h.name, pid=h.pid)
 
 
+def blinding_errors(gpu: Gpu) -> List[str]:
+    """The read errors of a GPU that leave us unsure whether it is in use (it then counts as busy)."""
+    return [e for e in gpu.errors if e.split(":", 1)[0] in _BLINDING_FIELDS]
+
+
 def _unsure(uuid: str, snap: Snapshot, rules: GpuSection) -> List[Reason]:
     """Reasons we cannot tell whether the GPU is in use: it then counts as busy."""
     gpu = snap.gpu(uuid)
     assert gpu is not None
     reasons: List[Reason] = []
-    blinding = [e for e in gpu.errors if e.split(":", 1)[0] in _BLINDING_FIELDS]
+    blinding = blinding_errors(gpu)
     if blinding:
         reasons.append(Reason(Busy.UNREADABLE, detail="; ".join(blinding)))
     node_error = dict(snap.node_errors).get(uuid)

@@ -23,14 +23,22 @@ _REFRESH_SECONDS = 3600.0
 
 
 def ensure_registry(directory: str) -> None:
-    """The registry directory, made world-writable and sticky when it is ours; OSError when it is not a
-    directory or not sticky (anyone could then remove or replace our record)."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, 0o700)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{directory}: not a directory")
-    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o1777:
+    """The registry directory, trusted (api/occupiers.registry_problem) and world-writable and sticky; root
+    makes it when it is missing. OSError, saying why, when it cannot be used: a plain user never makes it
+    (whoever makes it owns it, and could remove every other user's record)."""
+    if os.geteuid() == 0:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+    problem = occupiers.registry_problem(directory)
+    if problem:
+        raise OSError(f"{problem}; not written there")
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        raise OSError(
+            f"{directory} does not exist (root makes it: systemd-tmpfiles --create, with the gpu-mon package)"
+        ) from None
+    if os.geteuid() == 0 and stat.S_IMODE(st.st_mode) != 0o1777:
         os.chmod(directory, 0o1777)
     elif not st.st_mode & stat.S_ISVTX:
         raise OSError(f"{directory}: not sticky (chmod 1777 {directory})")
@@ -58,8 +66,7 @@ class PublicRecord:
             self.since = wall
             self._write(wall)
         except OSError as err:
-            self.live = False
-            log.warning("occupy: not listed for other users (%s)", err.strerror or err)
+            self._not_listed(err)
 
     def on_round(self, report: RoundReport) -> None:
         """Rewrite the record when what it says changed, or when it is an hour old."""
@@ -73,8 +80,16 @@ class PublicRecord:
             self.phase, self.gpus, self.since = phase, gpus, report.wall
         elif report.wall - self.written < _REFRESH_SECONDS:
             return
-        ensure_registry(self.directory)
-        self._write(report.wall)
+        try:
+            ensure_registry(self.directory)
+            self._write(report.wall)
+        except OSError as err:
+            self._not_listed(err)
+
+    def _not_listed(self, err: OSError) -> None:
+        """Said once: the record is not written again."""
+        self.live = False
+        log.warning("occupy: not listed for other users (%s)", err.strerror or err)
 
     def on_event(self, event: str) -> None:
         """Registered when ready; gone with the occupier."""
