@@ -154,6 +154,7 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
         say(e, 3)
     if errors:
         return base.EXIT_USAGE
+    print(f"read {len(config.files)} file(s): {', '.join(config.files)}")
     print(
         f"{config.path}: OK: {len(config.gpu_sections)} [gpu-*] and {len(config.processes)} [process-*] "
         f"section(s); {len(reading.gpus)} GPU(s) seen ({source}); {len(warnings)} warning(s)"
