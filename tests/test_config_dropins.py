@@ -52,6 +52,7 @@ def test_dropins_add_sections_and_override_keys_in_name_order(tmp_path):
     assert c.defaults.start_delay_seconds == 30.0  # the main file's, not overridden
     assert [p.name for p in c.processes] == ["x"]
     d = tmp_path / "gpu_mon.conf.d"
+    assert (c.processes[0].path, c.gpu_sections[0].path) == (str(d / "10-a.conf"), str(path))
     assert c.files == (str(path), str(d / "10-a.conf"), str(d / "20-b.conf"))
     assert c.path == str(path)
 

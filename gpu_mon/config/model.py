@@ -95,6 +95,7 @@ class ProcessSection:
     # The line each written key is on (not compared: moving a key in the file changes nothing).
     key_lines: Tuple[Tuple[str, int], ...] = field(default=(), compare=False)
     fingerprint: Tuple[Tuple[str, str], ...] = ()  # the raw keys and values: a reload restarts on change
+    path: str = field(default="", compare=False)  # the file of its header: the config or a drop-in
     # Not in the INI file (`gpu-mon occupy` only). together: per_gpu copies start only when all the
     # section's GPUs are free, and all stop when any is busy. hold: never stop for a busy GPU.
     together: bool = False

@@ -186,6 +186,7 @@ def process_section(sec: Section, warn: List[str]) -> Optional[ProcessSection]:
         name=sec.raw.name[len("process-") :],
         line=sec.raw.line,
         key_lines=key_lines(values),
+        path=sec.raw.path,
         fingerprint=fingerprint,
         **fields,
     )
