@@ -62,7 +62,12 @@ def _add_common(p: argparse.ArgumentParser, top: bool, config: bool = True, sim:
     After the command their default is SUPPRESS, so that a value given before it is kept."""
     d = None if top else argparse.SUPPRESS
     if config:
-        p.add_argument("--config", metavar="PATH", default=d, help=f"config file (default {DEFAULT_PATH})")
+        p.add_argument(
+            "--config",
+            metavar="PATH",
+            default=d,
+            help=f"config file (default $GPU_MON_CONFIG, else {DEFAULT_PATH})",
+        )
     if sim:
         p.add_argument(
             "--sim",

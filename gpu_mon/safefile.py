@@ -11,7 +11,7 @@ import errno
 import os
 import stat
 import tempfile
-from typing import Optional
+from typing import List, Optional
 
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -120,6 +120,26 @@ def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes
             if sum(len(c) for c in chunks) > max_bytes:
                 raise UnsafeFile(f"{path}: too large (at most {max_bytes} bytes)")
         return b"".join(chunks)
+    except OSError as err:
+        raise UnsafeFile(f"{path}: {_why(err)}") from None
+    finally:
+        os.close(fd)
+
+
+def list_dir(path: str, trusted_uid: Optional[int]) -> List[str]:
+    """The names in a directory (a config's drop-ins); with `trusted_uid`, refuse it unless only root can
+    change it and its parents. A symlink is refused, as for a config file."""
+    dir_fd, name = open_parent(path, trusted_uid)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as err:
+            raise UnsafeFile(f"{path}: {_why(err)}") from None
+    finally:
+        os.close(dir_fd)
+    try:
+        _check_dir(fd, path, trusted_uid)
+        return os.listdir(fd)
     except OSError as err:
         raise UnsafeFile(f"{path}: {_why(err)}") from None
     finally:

@@ -33,8 +33,9 @@ class CliError(Exception):
 
 
 def config_path(args: argparse.Namespace) -> Tuple[str, bool]:
-    """The config to read, and whether the user named it."""
-    return (args.config, True) if args.config else (DEFAULT_PATH, False)
+    """The config to read (--config, else $GPU_MON_CONFIG, else the default), and whether it was named."""
+    named = args.config or os.environ.get("GPU_MON_CONFIG")
+    return (named, True) if named else (DEFAULT_PATH, False)
 
 
 def load_config(args: argparse.Namespace, required: bool) -> Optional[Config]:

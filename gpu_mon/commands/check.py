@@ -173,6 +173,7 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
         return base.EXIT_USAGE
     if host:
         return base.EXIT_FAILURE
+    print(f"read {len(config.files)} file(s): {', '.join(config.files)}")
     print(
         f"{config.path}: OK: {len(config.gpu_sections)} [gpu-*] and {len(config.processes)} [process-*] "
         f"section(s); {len(reading.gpus)} GPU(s) seen ({source}); {len(warnings)} warning(s)"

@@ -784,7 +784,8 @@ class Daemon:
                 else:
                     self._say(f"[process-{w.instance.process}] removed from the config; stopping {w.label}")
         self._set_slurm()
-        self._say(f"reloaded {new.path}; {sections}")
+        dropins = f" and {', '.join(new.files[1:])}" if new.files[1:] else ""
+        self._say(f"reloaded {new.path}{dropins}; {sections}")
         self.next_poll = now  # look again with the new rules at once (next wake, with a fresh NVML read)
         self._round(now, scan=None)  # and publish what the reload stopped
         self.loop.announce("ready")

@@ -67,6 +67,7 @@ def build(
         "source": source,
         "daemon": daemon,
         "config": config.path if config else None,
+        "config_dropins": list(config.files[1:]) if config else [],
         "updated_wall": doc.wall,
         "error": snap.reading.error,
         "problems": list(plan.problems),
@@ -345,6 +346,8 @@ def _header(doc: dict, now: float) -> List[str]:
             f"config {doc.get('config')}"
         ]
         lines += _where_looked(doc)
+    if doc.get("config_dropins"):
+        lines.append(f"  config drop-ins: {', '.join(doc['config_dropins'])}")
     if doc.get("error"):
         lines.append(f"  GPUs cannot be read: {doc['error']}")
     lines += [f"  config problem: {doc.get('config')}:{p}" for p in doc.get("problems", [])]
