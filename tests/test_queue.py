@@ -45,13 +45,14 @@ def stop(signum, frame):
         say("end")
     sys.exit(0 if signum == signal.SIGUSR1 else 143)
 
+# (the handlers before "start": a test that stops the job once it has started expects them in place)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGUSR1, stop)
 say("start", uid=os.getuid(), gid=os.getgid(), groups=sorted(os.getgroups()), cwd=os.getcwd(),
     cuda=env.get("CUDA_VISIBLE_DEVICES"), order=env.get("CUDA_DEVICE_ORDER"), job=env.get("GPU_MON_JOB_ID"),
     secret=env.get("SECRET"), pid=os.getpid())
 with open(os.path.join(env["HOME"], "wrote-home-" + env.get("GPU_MON_JOB_ID", "x")), "w") as f:
     f.write("ok")
-signal.signal(signal.SIGTERM, stop)
-signal.signal(signal.SIGUSR1, stop)
 mode = sys.argv[1]
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
