@@ -8,6 +8,11 @@ Measures in one run and prints a table:
       (target < 1 s).
 On a machine without CUDA it runs small CPU sizes and marks the NVML rows "n/a (no GPU)".
 `--json FILE` also writes the table's rows and the figures behind them (what bench/gpu_proof.py reads).
+
+`--stop-latency` measures only how fast a stop ends a stressor that is still starting: `gpu-mon stress` (on
+--device, default cpu) gets SIGTERM 0.15, 0.4 and 0.8 s after its launch (--delays), --trials times each;
+the table gives SIGTERM -> exit p50 and worst per delay (target < 150 ms), the exit status, and in how many
+trials the stressor had begun allocating (an exit line) rather than ended by the default action.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ MIB = 1 << 20
 START_TIMEOUT_S = 180.0
 NVML_POLL_S = 0.005
 RELEASE_TIMEOUT_S = 15.0
+STOPPED = -signal.SIGTERM  # a stopped stressor ends by the signal (after its exit line), in every phase
 
 
 def import_torch() -> Any:
@@ -366,12 +372,12 @@ def release_rows(table: Table, ours: List[Dict[str, Any]], device: str) -> None:
     keys = ("exit_ms", "released_ms", "all_released_ms", "code")
     table.figures["release"] = [{k: r.get(k) for k in keys} for r in ours]
     table.add(
-        "(c) SIGTERM -> process exit, exit code 0 (worst)",
+        "(c) SIGTERM -> process exit, ended by SIGTERM (worst)",
         f"{max(exits):.0f} ms" if exits else "n/a",
         "",
         "",
         "< 1000 ms",
-        verdict(bool(exits) and max(exits) < 1000 and all(r["code"] == 0 for r in ours)),
+        verdict(bool(exits) and max(exits) < 1000 and all(r["code"] == STOPPED for r in ours)),
     )
     if not device.startswith("cuda"):
         table.add("(c) SIGTERM -> memory released (NVML)", "n/a (no GPU)", "", "", "< 1000 ms", "n/a")
@@ -404,7 +410,7 @@ def bench_verify(
     """The rate with --verify (each result compared with the reference), against the plain loop."""
     result = run_ours(opts.device, dtype, opts.size, seconds, memory, ["--verify"])
     print(f"  ours  {dtype} --verify: {describe(result)}", flush=True)
-    ok = result["code"] == 0 and result["exit"].get("verify") == "ok"
+    ok = result["code"] == STOPPED and result["exit"].get("verify") == "ok"
     table.figures["verify"] = {"tflops": result["tflops"], "ok": ok, "reference_tflops": reference}
     ratio = f"{result['tflops'] / reference:.3f}" if reference else ""
     table.add(
@@ -415,6 +421,52 @@ def bench_verify(
         "verify=ok",
         "PASS" if ok else "FAIL",
     )
+
+
+def stop_latency(opts: argparse.Namespace) -> int:
+    """--stop-latency: SIGTERM at each delay after launch, --trials times; a table of SIGTERM -> exit."""
+    device = "cpu" if opts.device == "auto" else opts.device
+    args = ["--device", device] + (["--memory", opts.memory] if opts.memory else [])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    print(f"gpu-mon stress {' '.join(args)}: SIGTERM after each delay, {opts.trials} trials", flush=True)
+    rows, figures = [], {}
+    for delay in (float(d) for d in opts.delays.split(",")):
+        took, statuses, handled = [], set(), 0
+        for _ in range(opts.trials):
+            launched = time.monotonic()
+            child = subprocess.Popen(
+                [sys.executable, "-m", "gpu_mon", "stress", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            time.sleep(max(0.0, launched + delay - time.monotonic()))
+            sent = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            statuses.add(child.wait())  # a blocking waitpid: returns when the process has ended
+            took.append((time.monotonic() - sent) * 1e3)
+            handled += any(line.startswith("stress: exit ") for line in child.stdout.read().splitlines())
+            child.stdout.close()
+        figures[f"{delay:g}"] = {"ms": took, "statuses": sorted(statuses), "handled": handled}
+        p50, worst = statistics.median(took), max(took)
+        rows.append(
+            [f"{delay:g} s", f"{p50:.0f}", f"{worst:.0f}", ",".join(map(str, sorted(statuses))),
+             f"{handled}/{opts.trials}", verdict(worst < 150)]
+        )  # fmt: skip
+    header = ["SIGTERM after", "-> exit p50 ms", "worst ms", "status", "exit line", "< 150 ms"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print()
+    for index, row in enumerate([header, *rows]):
+        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if index == 0:
+            print("-+-".join("-" * w for w in widths))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps({"command": args, "delays": figures}, indent=1) + "\n")
+    return 0
 
 
 def parse_args() -> argparse.Namespace:
@@ -436,12 +488,19 @@ def parse_args() -> argparse.Namespace:
         "--extra-dtypes", default=None, help="comma list run briefly (default: fp16,tf32 on CUDA)"
     )
     parser.add_argument("--json", metavar="FILE", help="also write the rows and their figures as JSON")
+    parser.add_argument(
+        "--stop-latency", action="store_true", help="only time SIGTERM -> exit of a stressor that is starting"
+    )
+    parser.add_argument("--delays", default="0.15,0.4,0.8", help="--stop-latency: seconds after launch")
+    parser.add_argument("--trials", type=int, default=5, help="--stop-latency: trials per delay")
     return parser.parse_args()
 
 
 def main() -> int:
     """Run every measurement, then print the table."""
     opts = parse_args()
+    if opts.stop_latency:
+        return stop_latency(opts)
     torch = import_torch()
     if opts.device == "auto":
         opts.device = "cuda" if torch.cuda.is_available() else "cpu"

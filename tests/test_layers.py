@@ -153,7 +153,7 @@ OUTSIDE = {  # an outside library -> the one module that imports it
     "pynvml": "gpu_mon/api/nvml.py",
     "sqlite3": "gpu_mon/api/historydb.py",
     "matplotlib": "gpu_mon/commands/plot.py",
-    "torch": "gpu_mon/commands/stress.py",
+    "torch": "gpu_mon/stress/torchdev.py",
     "sdnotify": "gpu_mon/outputs/notify.py",
     "prometheus_client": "gpu_mon/outputs/exposition.py",
 }

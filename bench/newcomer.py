@@ -1,0 +1,78 @@
+"""A newcomer on the GPU, for the handoff benchmarks: a process that takes a share of the GPU's total at once.
+
+Two kinds: `torch` (torch.cuda.init, mem_get_info, one torch.empty) and `libcuda` (a few lines of ctypes:
+cuInit, the primary context, cuMemGetInfo, one cuMemAlloc: no torch start-up, so it allocates as early as a
+CUDA program can). Either one loads what it needs, prints `loaded`, and waits for a line on stdin before
+cuInit, so that a benchmark can start it early and time only the handoff; it then prints one JSON line:
+t_init (just before cuInit), t_ready (context made, free memory read), t_alloc (the allocation done), all
+time.monotonic_ns() (CLOCK_MONOTONIC, the same clock in every process), ok, err and free_at_ready_mib.
+It takes its share once, with no retry, as vLLM (90% of the total) or JAX (75%) do by default.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Dict, Optional
+
+KINDS = ("torch", "libcuda")
+
+_TORCH = r"""
+import json, sys, time
+import torch
+print("loaded", flush=True)
+sys.stdin.readline()
+t_init = time.monotonic_ns()
+torch.cuda.init()
+free, total = torch.cuda.mem_get_info()
+t_ready = time.monotonic_ns()
+try:
+    x = torch.empty(int(total * SHARE), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    ok, err = True, ""
+except torch.OutOfMemoryError as e:
+    ok, err = False, str(e).splitlines()[0]
+t_alloc = time.monotonic_ns()
+print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok": ok, "err": err,
+                  "free_at_ready_mib": free >> 20}), flush=True)
+"""
+
+_LIBCUDA = r"""
+import ctypes, json, sys, time
+cuda = ctypes.CDLL("libcuda.so.1")
+print("loaded", flush=True)
+sys.stdin.readline()
+t_init = time.monotonic_ns()
+assert cuda.cuInit(0) == 0
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+assert cuda.cuCtxSetCurrent(ctx) == 0
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+assert cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+t_ready = time.monotonic_ns()
+ptr = ctypes.c_uint64()
+rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(total.value * SHARE)))
+t_alloc = time.monotonic_ns()
+err = "" if rc == 0 else ("CUDA_ERROR_OUT_OF_MEMORY" if rc == 2 else f"CUresult {rc}")
+print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok": rc == 0, "err": err,
+                  "free_at_ready_mib": free.value >> 20}), flush=True)
+"""
+
+
+def script(kind: str, share: float) -> str:
+    """The newcomer's Python source: `kind` (torch or libcuda) taking `share` (0.9) of the GPU's total."""
+    return {"torch": _TORCH, "libcuda": _LIBCUDA}[kind].replace("SHARE", repr(share))
+
+
+def start(kind: str, share: float, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """A newcomer on CUDA device 0 (PCI bus order: NVML's GPU 0); read `loaded`, then write it a line."""
+    env = dict(os.environ if env is None else env, CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    return subprocess.Popen(
+        [sys.executable, "-c", script(kind, share)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )

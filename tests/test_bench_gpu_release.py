@@ -1,0 +1,133 @@
+"""bench/gpu_release.py: its plan runs anywhere (no GPU, torch or NVML); the matrix itself needs a GPU.
+
+A module that is "not installed" is a stand-in on PYTHONPATH whose import fails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "gpu_release.py"
+
+
+def run_bench(
+    tmp_path: Path, *args: str, hide: Sequence[str] = ("torch", "pynvml")
+) -> subprocess.CompletedProcess:
+    shadow = tmp_path / "shadow"
+    shadow.mkdir(exist_ok=True)
+    for name in hide:
+        (shadow / f"{name}.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def test_plan_lists_every_strategy_and_cell_without_a_gpu(tmp_path):
+    r = run_bench(tmp_path, "--plan")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    out = r.stdout
+    assert out.startswith("bench/gpu_release.py: 6 strategies x 2 newcomers = 12 cells, up to 5 rounds")
+    assert "within 300 s" in out.splitlines()[0]
+    for hold in ("chunks", "blocks", "one"):
+        for release in ("free-then-exit", "exit"):
+            assert f"--hold {hold} --release {release}" in out
+    assert "--hold chunks --release free-then-exit (today's default)" in out
+    cells = [
+        line for line in out.splitlines() if line.lstrip().split(".")[0].isdigit() and "newcomer" in line
+    ]
+    assert len(cells) == 12
+    assert cells[0].split()[1:3] == ["newcomer", "torch"] and cells[-1].split()[1:3] == [
+        "newcomer",
+        "libcuda",
+    ]
+    assert "takes 90% of the GPU's total at once" in out
+
+
+def test_quick_plan_keeps_to_three_minutes_and_the_asked_cells(tmp_path):
+    r = run_bench(tmp_path, "--plan", "--quick", "--holds", "one", "--newcomers", "libcuda")
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first == (
+        "bench/gpu_release.py --quick: 2 strategies x 1 newcomers = 2 cells, up to 3 rounds "
+        "(one trial of every cell each), within 180 s"
+    )
+
+
+def test_an_unknown_strategy_is_a_usage_error(tmp_path):
+    r = run_bench(tmp_path, "--plan", "--holds", "one,lots")
+    assert r.returncode == 2
+    assert "--holds 'one,lots': expected a comma list of chunks, blocks, one" in r.stderr
+
+
+def test_without_nvml_it_measures_nothing_and_says_so(tmp_path):
+    r = run_bench(tmp_path, "--quick")
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert r.stderr.startswith("no NVIDIA GPU: ImportError: pynvml is not installed here; nothing measured")
+
+
+def test_the_table_says_whether_memory_came_back_before_the_newcomer_was_ready():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_release
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def trial(freed: float, ready: float, ok: bool = True) -> dict:
+        return {"freed_ms": freed, "ready_ms": ready, "alloc_ms": ready + 5, "exit_ms": 100.0, "ok": ok}
+
+    results = {
+        ("torch", "one", "exit"): [trial(80, 250), trial(90, 260)],
+        ("torch", "chunks", "free-then-exit"): [trial(900, 250, ok=False), trial(math.nan, 250)],
+    }
+    lines = gpu_release.summary(results).splitlines()
+    fast = next(line for line in lines if " one " in line).split()
+    slow = next(line for line in lines if " chunks " in line).split()
+    assert fast[-1] == "yes" and fast[4] == "0/2"
+    assert slow[-1] == "no" and slow[4] == "1/2"
+
+
+def _gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs an NVIDIA GPU")
+def test_one_cell_runs_on_a_gpu(tmp_path):
+    args = (
+        "--rounds",
+        "1",
+        "--holds",
+        "one",
+        "--releases",
+        "exit",
+        "--newcomers",
+        "libcuda",
+        "--memory",
+        "40%",
+    )
+    r = run_bench(tmp_path, *args, hide=())
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("libcuda"))
+    assert row.split()[3] == "1"  # one trial
