@@ -86,6 +86,7 @@ class Requests:
             "hold": self._hold,
             "release": self._release,
             "logs-path": self._logs_path,
+            "ids": self._ids,
         }.get(op if isinstance(op, str) else "")
         if handler is None:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
@@ -220,6 +221,11 @@ class Requests:
         if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
             self.listing.keep_only(self.store.jobs)
         return Encoded(b'{"ok":true,"jobs":[%s],"more":%d}' % (b",".join(parts), more))
+
+    def _ids(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`{"ok": true, "jobs": [[ID, STATE], ...]}`: the asking user's own jobs, for shell completion
+        (root's too: only its own, as for anyone)."""
+        return {"jobs": [[j.id, j.state] for j in self.store.all() if j.uid == peer.uid]}
 
     def _encoded(self, j: Job, view: View, now: float) -> bytes:
         reason = reason_of(j, view, now)
