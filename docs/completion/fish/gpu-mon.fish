@@ -42,7 +42,8 @@ function __gpu_mon_job_ids
     set -l words (commandline -opc)
     set -l config
     set -l i (contains -i -- --config $words); and set config --config $words[(math $i + 1)]
-    $words[1] _job-ids (string replace -a / ' ' -- (__gpu_mon_path)) $config 2>/dev/null
+    set -l command (string replace -a / ' ' -- (__gpu_mon_path))
+    $words[1] _job-ids $command $config --prefix (commandline -ct) 2>/dev/null
 end
 
 complete -c gpu-mon -f
