@@ -108,6 +108,18 @@ def test_the_page_has_exit_status_signals_files_environment_and_renders_without_
         assert (r.returncode, r.stderr) == (0, ""), f"{page.name}: {r.stderr}"
 
 
+def test_every_page_the_units_name_is_in_docs_man() -> None:
+    for unit in ("gpu-mon.service", "gpu-mon-sentinel.service"):
+        text = (ROOT / "systemd" / unit).read_text()
+        (doc,) = re.findall(r"^Documentation=(.*)$", text, re.M)
+        pages = re.findall(r"man:([\w.-]+)\((\d)\)", doc)
+        assert ("gpu-mon", "1") in pages and doc.split()[-1] == "file:/usr/share/doc/gpu-mon/README.md"
+        for name, section in pages:
+            assert (ROOT / "docs" / "man" / f"{name}.{section}").is_file(), (
+                f"{unit}: no docs/man/{name}.{section}"
+            )
+
+
 def test_the_queue_page_names_only_real_commands_and_options() -> None:
     top = model.command(build_parser())
     flags = {f for c in model.walk(top) for o in c.options for f in o.flags}
