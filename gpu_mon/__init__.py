@@ -4,7 +4,11 @@ The library (seed 001's API): `from gpu_mon import Sentinel, get_gpu_usage`. Imp
 workload leader, which imports this package, starts without loading the library it does not use.
 """
 
-from typing import Any
+from __future__ import annotations
+
+TYPE_CHECKING = False  # (typing takes 5-10 ms to import: `gpu-mon _job-ids` answers a TAB)
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["GpuUsageError", "Sentinel", "__version__", "get_gpu_usage"]

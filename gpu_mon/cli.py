@@ -14,9 +14,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from gpu_mon import __version__
+from gpu_mon import __version__, jobids
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, queue
+from gpu_mon.commands import base, queue, reference
 from gpu_mon.config import DEFAULT_PATH, ConfigError
 from gpu_mon.outputs import logs
 
@@ -89,6 +89,8 @@ def build_parser(only_queue: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gpu-mon",
         description="Run work on idle NVIDIA GPUs and yield the instant anyone else needs them.",
+        epilog=reference.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpu-mon {__version__}")
     _add_common(parser, top=True)
@@ -159,6 +161,7 @@ def build_parser(only_queue: bool = False) -> argparse.ArgumentParser:
     _add_common(p, top=False, sim=False)
     report.add_arguments(p)
     queue.add_arguments(sub, _add_common)
+    reference.add_arguments(sub)
     _strict_commands(parser)
     return parser
 
@@ -188,12 +191,19 @@ def _queue_command(argv: Sequence[str]) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `gpu-mon`; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [jobids.COMMAND]:  # (an entry point older than jobids.console_main)
+        sys.stdout.write("".join(f"{i}\n" for i in jobids.job_ids(argv[1:])))
+        return base.EXIT_OK
     parser = build_parser(only_queue=_queue_command(argv))
     args = parser.parse_args(argv)
     logs.setup(debug=args.debug)
     try:
         if args.command in queue.COMMANDS:
             return queue.cmd_queue(args)
+        if args.command in ("help", "completion"):
+            return {"help": reference.cmd_help, "completion": reference.cmd_completion}[args.command](
+                args, parser
+            )
         from gpu_mon.commands import occupy, report, sentinel, stress, watch
         from gpu_mon.commands.check import cmd_check
         from gpu_mon.commands.run import cmd_run

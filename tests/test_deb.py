@@ -11,6 +11,7 @@ are moved out of the package's way, since a purge deletes them, and put back aft
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import os
 import re
@@ -151,6 +152,42 @@ def test_installed_files_are_the_sources(members: Dict[str, Tuple[tarfile.TarInf
     for module in sorted((ROOT / "gpu_mon").glob("*.py")):
         packaged = members[f"/usr/lib/python3/dist-packages/gpu_mon/{module.name}"][1]
         assert packaged == module.read_bytes(), f"the packaged gpu_mon/{module.name} differs from the source"
+
+
+def test_man_pages_and_completions_are_installed(members: Dict[str, Tuple[tarfile.TarInfo, bytes]]) -> None:
+    """The pages under docs/man/ (compressed, in their sections) and the completions, where each shell
+    looks for them; the unit names the pages."""
+    pages = sorted((ROOT / "docs" / "man").glob("*.[1-8]"))
+    assert {p.name for p in pages} >= {"gpu-mon.1", "gpu-mon-queue.7"}
+    for page in pages:
+        packaged = f"/usr/share/man/man{page.suffix[1:]}/{page.name}.gz"
+        assert packaged in members, f"{packaged} is not in the package"
+        assert gzip.decompress(members[packaged][1]) == page.read_bytes(), packaged
+    for source, packaged in (
+        ("bash/gpu-mon", "/usr/share/bash-completion/completions/gpu-mon"),
+        ("zsh/_gpu-mon", "/usr/share/zsh/vendor-completions/_gpu-mon"),
+        ("fish/gpu-mon.fish", "/usr/share/fish/vendor_completions.d/gpu-mon.fish"),
+    ):
+        assert packaged in members, f"{packaged} is not in the package"
+        assert members[packaged][1] == (ROOT / "docs" / "completion" / source).read_bytes(), packaged
+    for unit in (UNIT_PATH, SENTINEL_UNIT_PATH):
+        assert b"\nDocumentation=man:gpu-mon(1) man:gpu_mon.conf(5) file:" in members[unit][1], unit
+
+
+def test_lintian_reports_no_errors_and_no_warnings_but_overrides_with_a_reason(deb: Path) -> None:
+    """lintian on the built package: no error or warning, except the ones debian/gpu-mon.lintian-overrides
+    names, each after a comment that says why."""
+    assert shutil.which("lintian"), "lintian is not installed (apt-get install lintian)"
+    result = _run(["lintian", "--fail-on", "none", "--tag-display-limit", "0", str(deb)], timeout=600)
+    found = [line for line in result.stdout.splitlines() if line[:2] in ("E:", "W:")]
+    assert result.returncode == 0 and not found, f"lintian:\n{result.stdout}{result.stderr}"
+    overrides = ROOT / "packaging" / "debian" / "gpu-mon.lintian-overrides"
+    lines = overrides.read_text().splitlines() if overrides.exists() else []
+    for i, line in enumerate(lines):
+        if line.strip() and not line.startswith("#"):
+            assert i > 0 and lines[i - 1].startswith("# "), (
+                f"{overrides.name}:{i + 1}: an override without a reason"
+            )
 
 
 def test_control_metadata(deb: Path) -> None:

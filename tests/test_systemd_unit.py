@@ -117,7 +117,9 @@ def test_verify_is_silent(tmp_path: Path) -> None:
             pytrace=False,
         )
     unit = _testable_copy(tmp_path)
-    result = _run([_systemd_analyze(), "verify", str(unit)], cwd=tmp_path)
+    # --man=no: whether the Documentation= pages are installed on this host is not the unit's business
+    # (tests/test_reference.py checks that each is in docs/man/).
+    result = _run([_systemd_analyze(), "verify", "--man=no", str(unit)], cwd=tmp_path)
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 0 and not output, (
         f"systemd-analyze verify (rc {result.returncode}):\n{output}"
@@ -127,7 +129,7 @@ def test_verify_is_silent(tmp_path: Path) -> None:
 def test_verify_would_report_a_problem(tmp_path: Path) -> None:
     """The check above can fail: an unknown key and a missing executable are both reported."""
     unit = _testable_copy(tmp_path, extra="NoSuchSetting=yes\nExecStartPost=/nonexistent/gpu-mon-x\n")
-    result = _run([_systemd_analyze(), "verify", str(unit)], cwd=tmp_path)
+    result = _run([_systemd_analyze(), "verify", "--man=no", str(unit)], cwd=tmp_path)
     output = result.stdout + result.stderr
     assert "NoSuchSetting" in output, output
     assert "/nonexistent/gpu-mon-x" in output, output
@@ -241,7 +243,7 @@ def test_sentinel_unit_verifies_and_is_tightly_sandboxed(tmp_path: Path) -> None
     unit.write_text(
         text.replace(start, f"ExecStart={_gpu_mon_executable()} sentinel $GPU_MON_SENTINEL_OPTS\n")
     )
-    result = _run([_systemd_analyze(), "verify", str(unit)], cwd=tmp_path)
+    result = _run([_systemd_analyze(), "verify", "--man=no", str(unit)], cwd=tmp_path)
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 0 and not output, (
         f"systemd-analyze verify (rc {result.returncode}):\n{output}"

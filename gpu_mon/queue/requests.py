@@ -89,6 +89,7 @@ class Requests:
             "hold": self._hold,
             "release": self._release,
             "logs-path": self._logs_path,
+            "ids": self._ids,
         }.get(op if isinstance(op, str) else "")
         if handler is None:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
@@ -231,6 +232,16 @@ class Requests:
         if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
             self.listing.keep_only(self.store.jobs)
         return Encoded(b'{"ok":true,"jobs":[%s],"more":%d}' % (b",".join(parts), more))
+
+    def _ids(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
+        """`{"ok": true, "ids": [...]}`: the asking user's own jobs (root's too: only its own), in these
+        `states` (default: every state), for shell completion."""
+        states = req.get("states")
+        wanted = set(J.STATES if states is None else states if isinstance(states, list) else ())
+        if not wanted or not all(isinstance(s, str) for s in wanted):
+            raise Bad("states must be a list of job states")
+        ids = [b"%d" % j.id for j in self.store.all() if j.uid == peer.uid and j.state in wanted]
+        return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(ids))
 
     def _encoded(self, j: Job, view: View, now: float) -> bytes:
         reason = reason_of(j, view, now)
