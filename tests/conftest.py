@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import psutil
 import pytest
@@ -105,6 +106,39 @@ def pid_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
+        return False
+
+
+def need_fd_counts(incremental: bool) -> None:
+    """Fail, in one line (a missing kernel feature is not a skip), where the holder scan cannot be
+    incremental: Linux before 6.2 has no open-fd count in stat of /proc/PID/fd."""
+    if not incremental:
+        release = os.uname().release
+        pytest.fail(
+            f"needs Linux >= 6.2 (open-fd counts in stat of /proc/PID/fd); this is {release}", pytrace=False
+        )
+
+
+def has_open(pid: int, path: str) -> bool:
+    """Whether the process has `path` open (a descriptor in /proc/PID/fd names it)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+    return False
+
+
+def sleeping(pid: int) -> bool:
+    """Whether the process's main thread sleeps (state S in /proc/PID/stat: blocked in a read, a wait or a
+    sleep, and so not running on until something wakes it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"S"
+    except (OSError, IndexError):
         return False
 
 
@@ -348,6 +382,32 @@ class Daemon:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
+    def status_line(self, timeout: float = 20.0) -> float:
+        """Ask for SIGUSR1's status line and wait for it; return when (monotonic) it was seen. The loop logs
+        it as a wake takes its signals, before that wake's rounds (so only after the daemon is up: until
+        it catches SIGUSR1, the signal kills it)."""
+        before = len(re.findall(r" INFO status: ", self.log()))
+        self.signal(signal.SIGUSR1)
+        self.wait_log(r" INFO status: ", timeout, count=before + 1)
+        return time.monotonic()
+
+    def wake_passed(self, timeout: float = 20.0) -> None:
+        """Wait until the wake of the daemon's loop that takes a signal sent now, and every wake before it,
+        has done all its rounds (e.g. the poll owed after a reload): a second status line, asked for once
+        the first is seen, comes from a later wake than the first."""
+        self.status_line(timeout)
+        self.status_line(timeout)
+
+    def poll_passed(self, interval: Optional[float] = None, timeout: float = 20.0) -> None:
+        """Wait until a poll that began after this call has done its round (it read every process started
+        before the call). Such a poll is due `interval` (the config's interval_seconds) after the call at
+        the latest. The wake after the one that logs a status line asked for past that time begins past
+        it, so it polls if no such poll ran before; a third status line says that wake is done."""
+        period = float(self.defaults["interval_seconds"] if interval is None else interval)  # type: ignore[arg-type]
+        time.sleep(period)  # a wait for the daemon's own deadline (a poll is due by then), not for a result
+        for _ in range(3):
+            self.status_line(timeout)
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, wait for exit; return the exit code."""
         assert self.proc is not None
@@ -444,6 +504,7 @@ def nobody_host(public_dir: Path) -> Tuple[SimHost, Path]:
     code_dir = public_dir / "code"
     shutil.copytree(ROOT / "gpu_mon", code_dir / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
     occupy_paths_of_the_copy(code_dir / "gpu_mon", public_dir)
+    (public_dir / "occupiers").mkdir()  # the registry, root's, as the package's tmpfiles.d entry makes it
     for path in (
         public_dir / "dev",
         sim.path,
@@ -452,6 +513,7 @@ def nobody_host(public_dir: Path) -> Tuple[SimHost, Path]:
         *code_dir.rglob("*"),
     ):
         os.chmod(path, 0o755)
+    os.chmod(public_dir / "occupiers", 0o1777)
     return sim, code_dir
 
 
@@ -470,6 +532,31 @@ def run_as_nobody(
         env=env,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def made_user(name: str, groups: Tuple[str, ...] = ()) -> Iterator[pwd.struct_passwd]:
+    """A user made for the test (its own primary group, no home, no login), also in `groups` (made for
+    it too); user and groups removed afterwards. Leftovers of the same names (a killed run) go first."""
+
+    def remove() -> None:
+        subprocess.run(["userdel", name], capture_output=True)
+        for group in groups:
+            subprocess.run(["groupdel", group], capture_output=True)
+
+    def make(argv: List[str]) -> None:
+        r = subprocess.run(argv, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(argv)}: {r.stderr.strip()}"
+
+    remove()
+    try:
+        for group in groups:
+            make(["groupadd", group])
+        shell = ["-s", "/usr/sbin/nologin", "-d", "/nonexistent"]
+        make(["useradd", "-M", "-U", *shell, *(["-G", ",".join(groups)] if groups else []), name])
+        yield pwd.getpwnam(name)
+    finally:
+        remove()
 
 
 def read_reports(path: Path) -> List[Dict[str, object]]:

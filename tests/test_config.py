@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from conftest import made_user
 
 from gpu_mon import config
 from gpu_mon.config import (
@@ -591,23 +592,15 @@ def test_supplementary_groups_come_from_getgrouplist(monkeypatch):
     assert p.groups == tuple(sorted({27, 44, NOBODY.pw_gid}))
 
 
-def _member_of_a_secondary_group():
-    for g in grp.getgrall():
-        for member in g.gr_mem:
-            try:
-                if pwd.getpwnam(member).pw_gid != g.gr_gid:
-                    return member, g.gr_gid
-            except KeyError:
-                continue
-    return None
-
-
-@pytest.mark.skipif(_member_of_a_secondary_group() is None, reason="no user with a secondary group here")
+@pytest.mark.skipif(not IS_ROOT, reason="makes a user and a group: needs root")
 def test_supplementary_groups_of_a_real_user():
-    user, gid = _member_of_a_secondary_group()
-    p = parse(f"[process-a]\ncmd = x\nuser = {user}\n").processes[0]
-    assert gid in p.groups and p.gid in p.groups
-    assert p.groups == tuple(sorted(set(os.getgrouplist(user, p.gid))))
+    """A user made here, in a secondary group made here (a fresh machine may have no such user)."""
+    with made_user("gmcfgsecondary", groups=("gmcfgextra",)) as user:
+        extra = grp.getgrnam("gmcfgextra").gr_gid
+        p = parse("[process-a]\ncmd = x\nuser = gmcfgsecondary\n").processes[0]
+        assert (p.user, p.uid, p.gid) == ("gmcfgsecondary", user.pw_uid, user.pw_gid)
+        assert extra != user.pw_gid
+        assert p.groups == tuple(sorted({user.pw_gid, extra}))
 
 
 def test_supplementary_groups_fall_back_to_the_primary_group(monkeypatch):

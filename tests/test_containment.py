@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import GPU_MON, WORKLOAD_PYTHON, idle_terminal, kill_marked, marked, tty_section, wait_for
+from conftest import (
+    GPU_MON,
+    WORKLOAD_PYTHON,
+    idle_terminal,
+    kill_marked,
+    marked,
+    pid_alive,
+    tty_section,
+    wait_for,
+)
 
 HOSTILE = Path(__file__).resolve().parent / "hostile.py"
 STOP_TIMEOUT = 1.0
@@ -195,7 +204,8 @@ def test_a_new_daemon_ends_what_a_killed_daemon_and_leader_left(
     os.kill(d.proc.pid, signal.SIGKILL)
     os.kill(leader, signal.SIGKILL)
     d.proc.wait()
-    time.sleep(0.5)  # set-up, not a wait for a result: the orphans are still there
+    # The leader dead too (a zombie at most): nobody is left who could end its group.
+    wait_for(lambda: not pid_alive(leader), timeout=10, what="the killed leader dead")
     assert marked(marker), "the orphans should have outlived both"
     d.write_config(body(tmp_path, f"gm-{uuid.uuid4().hex}", "escape"), defaults={"containment": "cgroup"})
     d.start()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SWAP_IN_PLACE, wait_for
+from conftest import SWAP_IN_PLACE, need_fd_counts, wait_for
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Gpu
@@ -41,8 +41,7 @@ def waiting(pid: int) -> bool:
 
 def scanner_on(node: Path) -> holders.HolderScanner:
     s = holders.HolderScanner(skip_pids=(os.getpid(),))
-    if not s.incremental:
-        pytest.skip("needs Linux >= 6.2 (open-fd counts in stat of /proc/PID/fd)")
+    need_fd_counts(s.incremental)
     targets, problems = holders.device_targets([Gpu(index=0, uuid="GPU-0", device=str(node))])
     assert not problems
     s.set_targets(targets)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import wait_for
+from conftest import need_fd_counts, wait_for
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Gpu
@@ -164,8 +164,7 @@ def test_vanished_pid_is_skipped(devices, holding):
 
 def test_incremental_scan_finds_new_openers(devices, holding):
     s = scanner_for(*devices)
-    if not s.incremental:
-        pytest.fail("this kernel has no fd count in stat(/proc/PID/fd) (Linux < 6.2): CI expects >= 6.2")
+    need_fd_counts(s.incremental)
     quiet = holding.start(devices[1])  # a holder that changes nothing from now on
     s.full()
     # An old process that opens the device later (its fd count changes) ...

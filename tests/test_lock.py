@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import GPU_MON, wait_for, write_config
+from conftest import GPU_MON, has_open, sleeping, wait_for, write_config
 
 from gpu_mon.engine import lock
 
@@ -167,7 +167,8 @@ def test_sigterm_as_soon_as_the_lock_is_held_is_a_clean_stop(tmp_path, sim):
 def test_a_status_probe_holding_the_lock_for_an_instant_does_not_keep_a_daemon_from_starting(tmp_path, sim):
     # `gpu-mon status` asks holder(), which takes a shared lock for an instant: a daemon starting at that
     # moment refused with "another gpu-mon daemon is running (pid unknown)" and exited 1 (a test polling
-    # holder() every 0.5 ms hit it in a full CI run). A probe is held longer here, 0.3 s, to make it sure.
+    # holder() every 0.5 ms hit it in a full CI run). The probe's instant is stretched here until the daemon
+    # has the lock file open and sleeps (its only sleep with the file open is between two tries of the lock).
     state = tmp_path / "state.json"
     c = conf(tmp_path, state)
     path = lock.lock_path(str(state))
@@ -176,7 +177,11 @@ def test_a_status_probe_holding_the_lock_for_an_instant_does_not_keep_a_daemon_f
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         d = run(c, sim.path)
-        time.sleep(0.3)  # set-up: the probe's instant, stretched; the daemon tries meanwhile
+        wait_for(
+            lambda: d.poll() is not None or (has_open(d.pid, path) and sleeping(d.pid)),
+            what="the daemon trying the lock while the probe holds it",
+            interval=0.001,
+        )
     finally:
         os.close(fd)
     wait_for(lambda: lock.holder(str(state)) == d.pid or d.poll() is not None, what="the lock taken")

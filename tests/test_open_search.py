@@ -11,11 +11,9 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-from conftest import SWAP_IN_PLACE, wait_for, workload_cmd
+from conftest import SWAP_IN_PLACE, need_fd_counts, sleeping, wait_for, workload_cmd
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api.model import Gpu
@@ -74,8 +72,7 @@ def go(p: subprocess.Popen, expect: bytes = b"open\n") -> None:
 
 def scanner_on(device: Path) -> holders.HolderScanner:
     s = holders.HolderScanner()
-    if not s.incremental:
-        pytest.skip("needs Linux >= 6.2 (open-fd counts in stat of /proc/PID/fd)")
+    need_fd_counts(s.incremental)
     targets, problems = holders.device_targets([Gpu(index=0, uuid="GPU-0", device=str(device))])
     assert not problems
     s.set_targets(targets)
@@ -191,7 +188,7 @@ def test_the_opener_is_stopped_for_first_and_every_holder_is_reported(tmp_path, 
     d.write_config(d.body, defaults={"interval_seconds": 30, "full_scan_seconds": 600})
     d.signal(1)  # SIGHUP
     d.wait_log("reloaded", count=1)
-    time.sleep(0.2)  # set-up: let the poll that follows a reload pass
+    d.wake_passed()  # the poll that follows a reload has passed: the next is 30 s away
     go(quiet)
     go(opener)
     d.wait_log(rf"stopping miner before reading the rest of /proc: .*\[{opener.pid}\] holds", timeout=5)
@@ -229,7 +226,8 @@ def test_a_descriptor_passed_to_a_process_is_found_without_an_open(tmp_path, sim
     assert old.stdout.readline() == b"got\n"
     d.wait_log(rf"\[{old.pid}\] holds .*; stopping miner", timeout=15)
     young = start(procs, RECEIVER, str(young_sock.fileno()), pass_fds=(young_sock.fileno(),))
-    time.sleep(0.5)  # set-up, not a wait for a result: a poll or two read the new process (no GPU yet)
+    wait_for(lambda: sleeping(young.pid), what="the young receiver started up and waiting for the descriptor")
+    d.poll_passed()  # a poll has read the new process (no GPU yet): from now on it is known, and young
     go(passer, b"sent\n")
     assert young.stdout.readline() == b"got\n"
     # The last signature pass found the old receiver just now: the next one is ~10 s away.

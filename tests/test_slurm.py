@@ -177,7 +177,7 @@ def _writable_cgroup_root() -> Path:
     for root in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup", "/sys/fs/cgroup/pids"):
         if os.path.exists(f"{root}/cgroup.procs") and os.access(root, os.W_OK):
             return Path(root)
-    pytest.skip("no writable cgroup hierarchy to make a job's cgroup in")
+    pytest.fail("no writable cgroup hierarchy to make a job's cgroup in (run as root)", pytrace=False)
 
 
 def test_a_job_by_its_cgroup():
@@ -206,8 +206,11 @@ def test_a_job_by_its_cgroup():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     lacking = slurmcluster.missing()
-    if lacking:
-        pytest.skip(f"a real Slurm needs {', '.join(lacking)} (Debian: slurmctld slurmd slurm-client munge)")
+    if lacking:  # a missing tool is a failure, not a skip (as for systemd and Prometheus)
+        pytest.fail(
+            f"a real Slurm needs {', '.join(lacking)} (Debian: slurmctld slurmd slurm-client munge)",
+            pytrace=False,
+        )
     c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     try:
         c.start()

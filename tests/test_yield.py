@@ -8,7 +8,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from conftest import SWAP_IN_PLACE, WORKLOAD_PYTHON, wait_for, workload_cmd
@@ -39,7 +38,7 @@ def test_a_descriptor_swapped_in_place_is_found_by_the_open_event(tmp_path, sim,
         )
         procs.append(p)
         assert p.stdout.readline() == b"ready\n"
-        time.sleep(0.3)  # set-up, not a wait for a result: a few polls cache the process's fd signature
+        d.poll_passed()  # a poll has cached the process's fd signature: the swap keeps its count
         p.stdin.write(b"go\n")
         p.stdin.flush()
         assert p.stdout.readline() == b"swapped\n"
@@ -118,7 +117,7 @@ def test_a_container_node_is_watched_once_seen(tmp_path, sim, daemon_factory, pr
     d.signal(1)  # SIGHUP
     d.wait_log("reloaded", count=1)
     d.wait_running("miner")
-    time.sleep(0.2)  # set-up: let the poll that follows a reload pass
+    d.wake_passed()  # the poll that follows a reload has passed: the next is 30 s away
     second = subprocess.Popen([WORKLOAD_PYTHON, "-c", CONTAINER_OPEN, str(ctr)], stdout=subprocess.PIPE)
     procs.append(second)
     assert second.stdout.readline() == b"open\n"
@@ -128,6 +127,7 @@ def test_a_container_node_is_watched_once_seen(tmp_path, sim, daemon_factory, pr
 THREAD = """
 import ctypes, os, sys, threading, time
 libc = ctypes.CDLL(None, use_errno=True)
+print("ready", flush=True)
 def own_table():
     assert libc.unshare(0x400) == 0  # CLONE_FILES: this thread's fd table is its own
     os.open(sys.argv[1], os.O_RDONLY)
@@ -146,7 +146,8 @@ def test_a_thread_with_its_own_fd_table_is_found_by_the_open_event(tmp_path, sim
         [sys.executable, "-c", THREAD, sim.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     procs.append(p)
-    time.sleep(0.3)  # set-up: a few polls cache the process (one thread, no GPU)
+    assert p.stdout.readline() == b"ready\n"  # started up: its open files stay as they are until told
+    d.poll_passed()  # a poll has cached the process (one thread, no GPU)
     p.stdin.write(b"go\n")
     p.stdin.flush()
     assert p.stdout.readline() == b"open\n"
@@ -159,6 +160,7 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 c = ctypes
 libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+print("ready", flush=True)
 sys.stdin.readline()
 fd = os.open(sys.argv[1], os.O_RDONLY)
 libc.mmap(None, 4096, 1, 1, fd, 0)
@@ -177,7 +179,8 @@ def test_a_node_opened_mapped_and_closed_between_two_looks_is_found(tmp_path, si
         [sys.executable, "-c", MAP_AND_CLOSE, sim.device(0)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     procs.append(p)
-    time.sleep(0.3)  # set-up: a few polls cache the process (no GPU)
+    assert p.stdout.readline() == b"ready\n"  # started up: its open files stay as they are until told
+    d.poll_passed()  # a poll has cached the process (no GPU)
     p.stdin.write(b"go\n")
     p.stdin.flush()
     assert p.stdout.readline() == b"mapped\n"
