@@ -25,6 +25,9 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# A developer's own settings must not steer the suite: every test names its config and simulated host.
+for _name in ("GPU_MON_CONFIG", "GPU_MON_SIM"):
+    os.environ.pop(_name, None)
 GPU_MON = [sys.executable, "-m", "gpu_mon"]
 WORKLOAD = Path(__file__).resolve().parent / "workload.py"
 # Workloads may run as `nobody`, who cannot read the venv's interpreter under /root: use the system one.

@@ -155,6 +155,15 @@ def test_check_names_a_dropins_bad_key_at_its_line(tmp_path, sim):
     assert r.stderr == f"{dropin}:2: [defaults] watch_open: unknown key (did you mean 'watch_opens'?)\n"
 
 
+def test_checks_warning_about_a_dropins_section_names_the_dropin(tmp_path, sim):
+    text = "[process-x]\ncmd = /nonexistent/miner\nuser = root\n"
+    path = setup(tmp_path, MAIN, {"a.conf": text})
+    r = gpu_mon("--config", str(path), "--sim", str(sim.path), "check", env={})
+    dropin = tmp_path / "gpu_mon.conf.d" / "a.conf"
+    said = [line for line in r.stdout.splitlines() + r.stderr.splitlines() if "/nonexistent/miner" in line]
+    assert said and all(f"{dropin}:2: " in line for line in said), r.stdout + r.stderr
+
+
 def test_gpu_mon_config_is_the_default_for_config(tmp_path, sim):
     path = setup(tmp_path, MAIN, {})
     r = gpu_mon("--sim", str(sim.path), "check", env={"GPU_MON_CONFIG": str(path)})

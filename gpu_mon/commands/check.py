@@ -20,9 +20,9 @@ def host_warnings(config: Config) -> List[str]:
     """Things on this host that will make a workload fail: commands, directories, log directories."""
     warnings: List[str] = []
     for p in config.processes:
-        warnings.extend(_process_warnings(config.path, p))
+        warnings.extend(_process_warnings(p.path or config.path, p))
     for g in config.gpu_sections:
-        warnings.extend(_idle_command_warnings(config.path, g))
+        warnings.extend(_idle_command_warnings(g.path or config.path, g))
     if os.geteuid() != 0:
         warnings.append(
             "not running as root: processes of other users cannot be inspected, so the daemon "
