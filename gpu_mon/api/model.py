@@ -137,6 +137,17 @@ class Exited:
 
 
 @dataclass(frozen=True)
+class QueueJob:
+    """A job that gpu-mon's queue runs, as the daemon's state file says (`gpu-mon occupy` reads it): the
+    GPUs it runs on are taken, whether or not it uses them yet."""
+
+    job: int
+    user: str
+    name: str
+    gpus: Tuple[str, ...]  # UUIDs
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One complete look at the host, as the policy sees it."""
 
@@ -151,6 +162,10 @@ class Snapshot:
     nvml_procs: Tuple[Holder, ...] = ()
     node_errors: Tuple[Tuple[str, str], ...] = ()  # (uuid, why its device node cannot be watched)
     unseen_opens: Tuple[UnseenOpen, ...] = ()  # the latest one of each GPU
+    # `gpu-mon occupy` only: the running jobs of the daemon's queue, and why they cannot be known (then
+    # every GPU counts as busy); the daemon itself leaves both empty (its own jobs are its own)
+    queue_jobs: Tuple[QueueJob, ...] = ()
+    queue_unknown: str = ""
 
     def gpu(self, uuid: str) -> Optional[Gpu]:
         """The GPU with this UUID in this look, or None."""

@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 from gpu_mon.api import procfs
 from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
+from gpu_mon.commands.occupy_queue import daemon_state_file
 from gpu_mon.engine.occupy import OccupySpec
 
 EXIT_NOT_RUNNING = 3
@@ -113,6 +114,7 @@ def spec_from(args: argparse.Namespace) -> OccupySpec:
         ignore_users=sorted({u for g in sections for u in g.ignore_users}),
         cwd=os.getcwd(),
         env=dict(os.environ),
+        daemon_state=daemon_state_file(config),
     )
 
 

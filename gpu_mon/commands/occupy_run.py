@@ -91,6 +91,7 @@ def _check_gpus(args: argparse.Namespace, spec: OccupySpec) -> Optional[int]:
 
 def serve(args: argparse.Namespace) -> int:
     """The occupier: the daemon on the reservation's config, holding the lock of its state file."""
+    from gpu_mon.commands.occupy_queue import QueueJobs
     from gpu_mon.engine import occupy as engine_occupy
     from gpu_mon.engine.daemon import Daemon
     from gpu_mon.outputs.phase import PhaseFile
@@ -106,6 +107,8 @@ def serve(args: argparse.Namespace) -> int:
     listeners = [StateFile(state), PhaseFile(phase, spec.polite)]
     daemon = Daemon(config, backend, source="" if source == "NVML" else source, listeners=listeners)
     daemon.loop.listeners.extend(occupy_limits.serve_listeners(spec, daemon.end, time.time()))
+    if spec.daemon_state:
+        daemon.queue_jobs = QueueJobs(spec.daemon_state)
     daemon.catch_signals()
     held = lock.DaemonLock(state)
     try:
@@ -117,6 +120,8 @@ def serve(args: argparse.Namespace) -> int:
         log.info(
             "occupy: %s mode, %s; waits for %g min of free GPUs", spec.mode, spec.what, spec.wait_minutes
         )
+        if spec.daemon_state:
+            log.info("occupy: a GPU that runs a job of gpu-mon's queue is busy (%s)", spec.daemon_state)
         if os.geteuid() != 0:
             daemon.observer.warn_denied = False  # said once here, not for every process
             log.warning("occupy: %s", plain_user_sight(spec))

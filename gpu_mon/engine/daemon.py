@@ -25,9 +25,9 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Deque, Dict, Iterable, List, Optional, Set
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
-from gpu_mon.api.model import GpuReading, Holder, Snapshot
+from gpu_mon.api.model import GpuReading, Holder, QueueJob, Snapshot
 from gpu_mon.api.observe import Backend, Observer, unexplained
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
@@ -114,6 +114,9 @@ class Daemon:
         self.sent_first: Dict[str, tuple] = {}  # workload key -> (Stop, label, pid): sent before the round
         self.full_scan_requested = False
         self.last_event_full = -1e9
+        # `gpu-mon occupy`: the running jobs of the daemon's queue and why they cannot be known (the GPUs of
+        # those jobs, or every GPU, are busy: commands/occupy_queue.py)
+        self.queue_jobs: Optional[Callable[[], Tuple[Tuple[QueueJob, ...], str]]] = None
         self.deferred_full: Optional[float] = None
         self.owed: Optional[str] = None  # a scan that paused for an open: it goes on once that is handled
         self.every_next = False  # the next full scan reads every process (see Observer.scan)
@@ -474,6 +477,9 @@ class Daemon:
             exited=() if quick else self.supervisor.take_exits(),
             unseen_opens=tuple(self.openers.unseen.values()),
         )
+        if self.queue_jobs is not None:
+            jobs, unknown = self.queue_jobs()
+            snap = dataclasses.replace(snap, queue_jobs=jobs, queue_unknown=unknown)
         if quick:
             return dataclasses.replace(snap, ttys=self.report.snapshot.ttys if self.report else ())
         return self.queue.take_jobs(snap) if self.queue is not None else snap

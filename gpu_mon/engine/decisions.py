@@ -125,6 +125,10 @@ class Busy:
     MEMORY = "memory_by_others"  # mib used by others, limit_mib = busy_memory_mib
     # its node opened by a process whose files cannot be read: who, the first that may have; count: how many
     UNSEEN = "unseen_open"
+    # `gpu-mon occupy`: a job of gpu-mon's queue runs on it (job; who: its user and name, pid 0), or the
+    # queue's jobs cannot be known (detail: why)
+    QUEUE_JOB = "queue_job"
+    QUEUE_UNKNOWN = "queue_unknown"
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class Reason:
     limit_mib: Optional[int] = None
     count: int = 0
     context: str = ""
+    job: Optional[int] = None  # QUEUE_JOB: the job's id
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ config, so it waits, yields, contains and restarts exactly as the daemon does. P
   themselves: what they do on a GPU shows in NVML's process list and memory, and their opens of a GPU's
   node as unseen opens (engine/openers.py), which make it busy for the start delay.
 - occupying: one stressor per GPU (`per_gpu`, started together), or CMD once with all the GPUs.
+- a GPU that runs a job of gpu-mon's queue (anyone's) is busy: the daemon's state file lists them.
 - hold (the default, as the original) never gives a GPU back; --yield stops everything as soon as anyone
   else uses one of the GPUs, waits again, and takes them back.
 """
@@ -55,6 +56,8 @@ class OccupySpec:
     # and exit after this long, counted from when it first occupies; where the limit was read.
     max_hold_hours: Optional[float] = None
     limits_from: str = ""
+    # The state file of the daemon whose queue jobs' GPUs are not free (commands/occupy_queue.py); "": none
+    daemon_state: str = ""
 
     @property
     def mode(self) -> str:

@@ -219,6 +219,18 @@ def _unseen_reasons(uuid: str, rules: GpuSection, snap: Snapshot, seconds: float
     return []
 
 
+def _queue_reasons(uuid: str, snap: Snapshot) -> List[Reason]:
+    """A queue job runs on the GPU, or the queue's jobs cannot be known (`gpu-mon occupy` only: the
+    daemon's own snapshots have neither)."""
+    if snap.queue_unknown:
+        return [Reason(Busy.QUEUE_UNKNOWN, detail=snap.queue_unknown)]
+    return [
+        Reason(Busy.QUEUE_JOB, who=Who(j.user, j.name, 0), job=j.job)
+        for j in snap.queue_jobs
+        if uuid in j.gpus
+    ]
+
+
 def gpu_verdict(
     uuid: str,
     rules: GpuSection,
@@ -233,6 +245,7 @@ def gpu_verdict(
     if snap.gpu(uuid) is None:
         return True, [Reason(Busy.MISSING)]
     reasons = _unsure(uuid, snap, rules)
+    reasons += _queue_reasons(uuid, snap)
     reasons += _holder_reasons(uuid, rules, snap, first_seen)
     reasons += _unseen_reasons(uuid, rules, snap, unseen_seconds)
     reasons += _nvml_reasons(uuid, rules, snap)

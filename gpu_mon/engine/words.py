@@ -53,6 +53,10 @@ def reason(r: Reason) -> str:
         return f"opened by a process whose files cannot be read here ({who(r.who)}{more})"
     if r.kind == Busy.CONTEXT:
         return _context(r)
+    if r.kind == Busy.QUEUE_JOB and r.who is not None:
+        return f"runs queue job {r.job} of {sanitize(r.who.user)}"
+    if r.kind == Busy.QUEUE_UNKNOWN:
+        return f"the queue's running jobs cannot be known: {sanitize(r.detail)}"
     if r.kind == Busy.MEMORY:
         return f"{r.mib} MiB used by others (more than busy_memory_mib = {r.limit_mib})"
     return r.kind
