@@ -1,5 +1,6 @@
-"""The README's set-up commands: CI runs exactly the documented test command, and that command installs only
-what the tests use (no recommended packages, no init system, the CPU build of the pinned torch)."""
+"""The documented set-up commands: CI runs exactly README's test command, and that command installs only
+what the tests use (no recommended packages, no init system, the CPU build of the pinned torch); the users'
+guide's queue try-it runs as written."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+USERS_GUIDE = (ROOT / "docs" / "users-guide.md").read_text()
 
 
 def ci_command() -> str:
@@ -57,10 +59,10 @@ SYSTEM_SITE = Path("/usr/lib/python3/dist-packages")  # Debian's python3-wheel (
 
 
 def try_it_commands(to: str, user: str, conf: str) -> Tuple[str, str, str]:
-    """The queue try-it's install, chmod and submit commands as README writes them, with INSTALL_TO, its
-    user (`alice`) and CONF replaced."""
-    start = README.index(QUEUE_TRY_IT)
-    text = README[start : README.index("\n\n", start)].replace("\n", " ")
+    """The queue try-it's install, chmod and submit commands as the users' guide writes them, with
+    INSTALL_TO, its user (`alice`) and CONF replaced."""
+    start = USERS_GUIDE.index(QUEUE_TRY_IT)
+    text = USERS_GUIDE[start : USERS_GUIDE.index("\n\n", start)].replace("\n", " ")
     spans = re.findall(r"`([^`]*)`", text)
     (install,) = [s for s in spans if s.startswith("/usr/bin/python3 -m venv")]
     (chmod,) = [s for s in spans if s.startswith("chmod ")]

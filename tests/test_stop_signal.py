@@ -1,6 +1,6 @@
 """A checkpoint-friendly stop: stop_signal, the full grace for a terminal user, a reload or a shutdown, the
-urgent grace when a foreign process opens the GPU; README's example workload (examples/checkpoint_workload.py)
-run under the daemon."""
+urgent grace when a foreign process opens the GPU; the example workload of docs/admin-guide.md
+(examples/checkpoint_workload.py) run under the daemon."""
 
 from __future__ import annotations
 
@@ -224,11 +224,11 @@ def test_a_reload_changes_the_stop_signal_without_a_restart(tmp_path, sim, daemo
     assert json.loads(ckpt.read_text())["complete"] is True
 
 
-def test_the_readme_example_checkpoints_when_a_terminal_user_arrives(tmp_path, sim, daemon_factory):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Stopping: signals and graces", 1)[1]
+def test_the_admin_guides_example_checkpoints_when_a_terminal_user_arrives(tmp_path, sim, daemon_factory):
+    guide = (ROOT / "docs" / "admin-guide.md").read_text()
+    section = guide.split("### Stopping: signals and graces", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    script = tmp_path / "readme_example.py"
+    script = tmp_path / "guide_example.py"
     script.write_text(code)
     ckpt = tmp_path / "ckpt.json"  # (state.json is the daemon's)
     term = idle_terminal(tmp_path)
