@@ -144,7 +144,14 @@ def test_installed_files_are_the_sources(members: Dict[str, Tuple[tarfile.TarInf
     assert tmpfiles == (ROOT / "systemd" / "gpu-mon.tmpfiles").read_bytes()
     # The unit's Documentation= points here: not compressed.
     assert members["/usr/share/doc/gpu-mon/README.md"][1] == (ROOT / "README.md").read_bytes()
-    # The fleet view's files, as they are (README "Many servers" points here).
+    # The guides, as they are, in docs/ beside it, where README's links point (docs/_incoming is not shipped).
+    guides = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "history-demo.png"]
+    assert {p.name for p in guides} >= {"admin-guide.md", "users-guide.md", "operations.md"}
+    for path in guides:
+        packaged = f"/usr/share/doc/gpu-mon/docs/{path.name}"
+        assert packaged in members and members[packaged][1] == path.read_bytes(), packaged
+    assert not [p for p in members if p.startswith("/usr/share/doc/gpu-mon/docs/_")]
+    # The fleet view's files, as they are (docs/operations.md "Many servers" points here).
     for path in (ROOT / "contrib").rglob("*"):
         if path.is_file():
             packaged = f"/usr/share/doc/gpu-mon/{path.relative_to(ROOT)}"
