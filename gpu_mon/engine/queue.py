@@ -515,6 +515,8 @@ def _launch(job: Job, gpus: Tuple[str, ...]) -> Launch:
             "GPU_MON_RESTART_COUNT": str(job.restarts),
         }
     )
+    if job.array_id:
+        env.update({"GPU_MON_ARRAY_ID": str(job.array_id), "GPU_MON_ARRAY_INDEX": str(job.array_index)})
     switch = os.geteuid() == 0
     if not switch and job.uid != os.geteuid():
         try:
