@@ -341,3 +341,64 @@ def test_a_daemon_killed_mid_array_restarts_with_every_element_right_and_a_reloa
         30,
         "every element cancelled",
     )
+
+
+HOOK = """#!/bin/sh
+# a user's hook: what it was given, where and as whom it ran
+{ env; echo "UID=$(id -u)"; echo "CWD=$(pwd)"; } > ".part-$$"
+mv ".part-$$" "hook-$GPU_MON_JOB_ID-$GPU_MON_JOB_STATE.env"  # (whole when it appears)
+echo "hook ran for $GPU_MON_JOB_ID"
+"""
+
+
+def _hook_runs(user) -> Dict[str, Dict[str, str]]:
+    out = {}
+    for path in user.work.glob("hook-*.env"):
+        lines = path.read_text().splitlines()
+        out[path.name[5:-4]] = dict(line.split("=", 1) for line in lines if "=" in line)
+    return out
+
+
+@pytestmark_root
+def test_hooks_run_as_the_user_in_the_jobs_directory_once_per_array_and_a_failure_is_one_line(
+    alab, daemon_factory
+):
+    lab = alab
+    d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann, ben = lab.alice, lab.bob
+    hook = ann.home / ".config" / "gpu-mon" / "notify"
+    hook.parent.mkdir(parents=True)
+    hook.write_text(HOOK)
+    os.chmod(hook, 0o755)
+    for path in (hook.parent.parent, hook.parent, hook):
+        os.chown(path, ann.uid, ann.gid)
+    job = ["--", "/usr/bin/python3", str(lab.job)]
+    single = lab.submit(ann, *job, "0", "3", lab.marker)  # the default hook: failed, exit 3
+    explicit = ann.work / "explicit.sh"
+    explicit.write_text(HOOK.replace("hook-", "explicit-"))
+    os.chmod(explicit, 0o755)
+    arr = lab.submit(ann, "--array", "0-2", "--notify", f"sh {explicit}", *job, "0", "0", lab.marker)
+    each = lab.submit(ann, "--array", "0-1", "--notify-each", *job, "0", "0", lab.marker)
+    bad = lab.submit(ben, "--notify", "echo failing; exit 7", *job, "0", "0", lab.marker)
+    runs = wait_for(lambda: len(r := _hook_runs(ann)) >= 3 and r, 30, "the default hook's three runs")
+    assert sorted(runs) == sorted([f"{single}-failed", f"{each}-done", f"{each + 1}-done"])
+    env = runs[f"{single}-failed"]
+    assert (env["GPU_MON_JOB_EXIT"], env["UID"], env["CWD"]) == ("3", str(ann.uid), str(ann.work))
+    assert env["GPU_MON_JOB_NAME"] == "" and "GPU_MON_ARRAY_ID" not in env and env["GMQ_MARK"] == lab.marker
+    assert runs[f"{each + 1}-done"]["GPU_MON_ARRAY_INDEX"] == "1"
+    log = ann.home / ".local/state/gpu-mon/jobs" / f"{single}.log"
+    wait_for(lambda: f"hook ran for {single}\n" in log.read_text(), 10, "the hook's output in the job's log")
+    # an array without --notify-each: once, when its last element ended
+    wait_for(lambda: list(ann.work.glob("explicit-*.env")), 30, "the array's notice")
+    (notice,) = ann.work.glob("explicit-*.env")
+    env = dict(line.split("=", 1) for line in notice.read_text().splitlines() if "=" in line)
+    assert (env["GPU_MON_ARRAY_ID"], env["GPU_MON_JOB_STATE"]) == (str(arr), "done")
+    assert env["GPU_MON_ARRAY_COUNTS"] == "done=3" and env["GPU_MON_JOB_EXIT"] == "0"
+    # a failing hook: one line in the daemon's log and one in the job's (ben's, as ben)
+    d.wait_log(rf"queue: job {bad}: its hook exited with status 7")
+    ben_log = ben.home / ".local/state/gpu-mon/jobs" / f"{bad}.log"
+    wait_for(lambda: f"gpu-mon: job {bad}: its hook exited with status 7\n" in ben_log.read_text(), 10)
+    assert "failing\n" in ben_log.read_text()
+    assert not _hook_runs(ben)  # ann's default hook is hers alone
+    assert all("notify" not in j for j in lab.jobs(ben).values())  # nobody sees another's hook
