@@ -16,6 +16,10 @@ and the placement goes over every one of them each time. Measured:
   request, the printing), median of 5 after one warm-up run;
 - a job's start after its GPU frees: from the foreign holder's close() of GPU 0's node to the job's first
   action (it opens a FIFO we wait on), less the start delay; also in rounds (interval_seconds);
+- arrays (--arrays N, this checkout): one `submit --array 0-(N-1)` (p50 and max over --trials arrays, each
+  queued behind a held job), beside the N single submits a user's shell loop makes today (the sum of the
+  submits above, in each version); `gpu-mon jobs` with only an N-element array queued beside `gpu-mon jobs`
+  with 100 single jobs queued (each version), on fresh daemons;
 - submit p99 (500 submits) with --hostile connections of another user (nobody) held open at once (each
   reopened when the daemon closes it: silent clients), and oversized frames, against the p99 just before
   without them.
@@ -61,7 +65,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Union
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -193,7 +197,7 @@ class Run:
             raise SystemExit(f"{PROG}: submit refused: {answer.get('error')}")
         return took
 
-    def job(self, job_id: int) -> dict:
+    def job(self, job_id: Union[int, str]) -> dict:
         (job,) = ask(self.socket, {"op": "jobs", "ids": [job_id]})["jobs"]
         return job
 
@@ -281,9 +285,60 @@ def measure(runs: List[Run], jobs: int, trials: int, hostile: int) -> List[Dict[
                 "jobs_json": (statistics.median(js), max(js)),
                 "start": (statistics.median(st), max(st)),
                 "hostile": (pct(qu, 99), pct(lo, 99)),
+                "times": every,
             }
         )
     return out
+
+
+def measure_arrays(work: Path, versions, size: int, trials: int, delay: float) -> Dict[str, object]:
+    """The array rows: one submit of a `size`-element array (this checkout: the first version), and
+    `gpu-mon jobs` over it beside `gpu-mon jobs` with 100 single jobs queued (every version)."""
+    label, code = versions[0]
+    arr = Run(work, "arrays", code, delay)
+    hundreds = [Run(work, f"hundred{i}", c, delay) for i, (_l, c) in enumerate(versions)]
+    try:
+        for run in (arr, *hundreds):
+            run.submit(["true", "blocker"], hold=True)
+        for run in hundreds:
+            for i in range(100):
+                run.submit(["true", str(i)], after=[1])
+        spec = f"0-{size - 1}"
+        submits = [arr.submit(["true", "element"], after=[1], array=spec)]  # the listing's array
+        _wait(lambda: "just submitted" not in (arr.job(f"2_{size - 1}")["reason"] or ""), 60, "the placement")
+        for run in (arr, *hundreds):
+            run.command("jobs")  # (warm-up)
+        listing = _turns([arr, *hundreds], 5, lambda r: r.command("jobs"))
+        for _ in range(trials):
+            submits.append(arr.submit(["true", "element"], after=[1], array=spec))
+    finally:
+        for run in (arr, *hundreds):
+            run.close()
+    return {
+        "label": label,
+        "submit": (statistics.median(submits), max(submits)),
+        "jobs_array": (statistics.median(listing[0]), max(listing[0])),
+        "jobs_100": [(statistics.median(v), max(v)) for v in listing[1:]],
+    }
+
+
+def array_rows(
+    arrays: Dict[str, object], results: Dict[str, Dict[str, object]], size: int, jobs: int
+) -> List[List[str]]:
+    """The array rows: this checkout's figures, with each version's 100-job listing beside them."""
+    names = list(results)
+    loops = [sum(results[n]["times"]) for n in names]  # type: ignore[arg-type]
+    first = [_ms(arrays["submit"])] + ["-"] * (len(names) - 1)  # type: ignore[arg-type]
+    listing = [_ms(arrays["jobs_array"], "{:.0f} / {:.0f} ms")] + ["-"] * (len(names) - 1)  # type: ignore
+    return [
+        [f"submit --array 0-{size - 1} (one submit): p50 / max", *first],
+        [f"{jobs} single submits (a shell loop), in all", *(f"{t:.2f} s" for t in loops)],
+        [f"gpu-mon jobs, one {size}-element array queued: median / max", *listing],
+        [
+            "gpu-mon jobs, 100 single jobs queued: median / max",
+            *(_ms(v, "{:.0f} / {:.0f} ms") for v in arrays["jobs_100"]),  # type: ignore[union-attr]
+        ],
+    ]
 
 
 def _turns(runs: List[Run], count: int, one) -> List[List[float]]:
@@ -368,6 +423,9 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=5, help="GPU-frees-to-start trials (default 5)")
     ap.add_argument("--hostile", type=int, default=1000, help="hostile connections (default 1000; 0: none)")
     ap.add_argument("--start-delay", type=float, default=1.0, help="[queue] start_delay_seconds (default 1)")
+    ap.add_argument(
+        "--arrays", type=int, default=10000, help="elements of the arrays measured (default 10000; 0: none)"
+    )
     ap.add_argument("--json", action="store_true", help="the numbers as JSON")
     a = ap.parse_args()
     if a.jobs < 1 or a.trials < 1 or a.hostile < 0 or a.start_delay < 0:
@@ -395,18 +453,27 @@ def main() -> int:
             f"submitting {a.jobs} jobs to each of {len(runs)} daemons in turn...", file=sys.stderr, flush=True
         )
         results = dict(zip((label for label, _ in versions), measure(runs, a.jobs, a.trials, a.hostile)))
+        for run in runs:
+            run.close()
+        runs = []
+        if a.arrays:
+            print(f"arrays of {a.arrays} elements...", file=sys.stderr, flush=True)
+            arrays = measure_arrays(work, versions, a.arrays, a.trials, a.start_delay)
     finally:
         for run in runs:
             run.close()
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
-        print(json.dumps(results))
+        print(json.dumps({"results": results, "arrays": arrays if a.arrays else None}))
         return 0
     print(
         f"{time.strftime('%Y-%m-%d')}; {os.cpu_count()} CPUs; kernel {os.uname().release}; "
         f"interval_seconds {INTERVAL:g}, start delay {a.start_delay:g} s; {a.trials} start trial(s)"
     )
-    print(bg.table(["", *results], rows(results, a.jobs, a.hostile)))
+    table = rows(results, a.jobs, a.hostile)
+    if a.arrays:
+        table += array_rows(arrays, results, a.arrays, a.jobs)
+    print(bg.table(["", *results], table))
     return 0
 
 

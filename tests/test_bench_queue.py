@@ -21,6 +21,7 @@ BENCH = ROOT / "bench" / "queue.py"
 @pytest.mark.skipif(os.geteuid() != 0, reason="the benchmark's daemon runs jobs: needs root")
 def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
     quick = ["--jobs", "20", "--baseline", "", "--trials", "1", "--hostile", "20", "--start-delay", "0.1"]
+    quick += ["--arrays", "50"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # Its jobs run as root: their daemon makes root's default output directory (a fresh machine has none);
     # what it made that was not there before is removed afterwards.
@@ -47,9 +48,13 @@ def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
         "gpu-mon jobs --json, 20 queued: median / max",
         "job start after its GPU frees, less the start delay: median / max",
         "submit p99 without / with 20 hostile connections",
+        "submit --array 0-49 (one submit): p50 / max",
+        "20 single submits (a shell loop), in all",
+        "gpu-mon jobs, one 50-element array queued: median / max",
+        "gpu-mon jobs, 100 single jobs queued: median / max",
     ]
     assert [line[: len(label)] for line, label in zip(lines[3:], labels)] == labels
-    assert all(line.rstrip().endswith(("ms", "rounds)")) for line in lines[3:]) and len(lines) == 9
+    assert all(line.rstrip().endswith(("ms", "rounds)", " s")) for line in lines[3:]) and len(lines) == 13
 
 
 def _first_missing(home: Path, below: str):

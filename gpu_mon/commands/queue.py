@@ -13,12 +13,13 @@ import os
 import re
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
 from gpu_mon.commands.base import CliError
 from gpu_mon.config import DEFAULT_PATH, QueueSection
+from gpu_mon.queue import arrays
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, NoDaemon, ProtocolError, request
 
@@ -44,7 +45,25 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs (default 1)")
     p.add_argument("--name", default="", help="a name for `jobs` (at most 64 characters)")
     p.add_argument("--priority", type=int, default=0, metavar="P", help="higher goes first (default 0)")
-    p.add_argument("--after", default="", metavar="ID[,ID...]", help="start only after these jobs are done")
+    p.add_argument(
+        "--after",
+        default="",
+        metavar="ID[,ID...]",
+        help="start only after these jobs are done (17: every element of array 17; 17_5: one element)",
+    )
+    p.add_argument(
+        "--array",
+        metavar="SPEC",
+        help="queue an array: one job per index (0-199, 1,3,5-9, 0-99:5; %%N: at most N running at once), "
+        "each with GPU_MON_ARRAY_ID and GPU_MON_ARRAY_INDEX",
+    )
+    p.add_argument(
+        "--notify",
+        metavar="CMD",
+        help="run CMD (sh -c, as you, in the job's directory) when the job ends or is preempted "
+        "(default: ~/.config/gpu-mon/notify when executable); an array: when its last element ends",
+    )
+    p.add_argument("--notify-each", action="store_true", help="an array: notify for each element")
     p.add_argument(
         "--stop-signal",
         default="SIGTERM",
@@ -58,7 +77,11 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     )
     p.add_argument("--grace", type=float, metavar="SECONDS", help="stop signal to SIGKILL (default [queue])")
     p.add_argument("--time-limit", metavar="DURATION", help="stop it after this long (90, 30m, 2h, 1d)")
-    p.add_argument("--output", metavar="FILE", help=f"stdout and stderr (default ~/{DEFAULT_OUTPUT}/ID.log)")
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help=f"stdout and stderr (default ~/{DEFAULT_OUTPUT}/ID.log); %%A array id, %%a index, %%j job id",
+    )
     p.add_argument("--no-requeue", action="store_true", help="when preempted, end as `preempted`")
     p.add_argument("--hold", action="store_true", help="queue it held: it waits for `gpu-mon release`")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit with the job's status")
@@ -72,8 +95,11 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         help=f"finished jobs too, and every waiting one (the table lists the first {TABLE_WAITING})",
     )
     p.add_argument("--user", help="only this user's jobs")
+    p.add_argument("--me", action="store_true", help="only your own jobs")
     p.add_argument("--state", choices=J.STATES, help="only jobs in this state")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--expand", action="store_true", help="an array's elements one a line (default: by state)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (every element of arrays)")
+    p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)")
     for name, what in (("cancel", "cancel your"), ("hold", "hold your"), ("release", "release your held")):
         p = sub.add_parser(name, help=f"{what} jobs", description=f"{what.capitalize()} jobs.")
         add_common(p, top=False, sim=False)
@@ -82,9 +108,18 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     add_common(p, top=False, sim=False)
     p.add_argument("id", type=_job_id, metavar="ID")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p = sub.add_parser(
+        "wait",
+        help="wait until jobs end",
+        description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
+        "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
+        "(124: time limit; 1: cancelled or preempted).",
+    )
+    add_common(p, top=False, sim=False)
+    p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
 
 
-COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs")
+COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait")
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -97,6 +132,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "hold": _change,
         "release": _change,
         "logs": _logs,
+        "wait": lambda a, s: _wait(s, list(a.ids)),
     }[args.command]
     try:
         return handler(args, socket)
@@ -145,6 +181,9 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         "gpus": args.gpus,
         "priority": args.priority,
         "after": _ids(args.after),
+        "array": args.array,
+        "notify": args.notify or "",
+        "notify_each": args.notify_each,
         "stop_signal": _stop_signal(args.stop_signal),
         "stop_main_only": args.stop_main_only or args.stop_signal.upper().startswith("B:"),
         "time_limit": _duration(args.time_limit) if args.time_limit else None,
@@ -154,13 +193,20 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
     }
     if args.grace is not None:
         req["grace"] = args.grace
+    if args.array is not None and len(args.array) > arrays.MAX_SPEC:
+        size = len(args.array)
+        raise CliError(f"--array: the spec is too long ({size} characters; at most {arrays.MAX_SPEC})")
     answer = _ask(socket, req)
+    elements = answer.get("elements")
     if args.json:
-        print(json.dumps({"id": answer["id"], "state": answer["state"], "ahead": answer["ahead"]}))
+        keys = ("id", "state", "ahead", "array_id", "elements")
+        print(json.dumps({k: answer[k] for k in keys if k in answer}))
+    elif elements is not None:
+        print(f"job {answer['id']}: {elements} elements {answer['state']} ({answer['ahead']} ahead)")
     else:
         print(f"job {answer['id']} {answer['state']} ({answer['ahead']} ahead)")
     sys.stdout.flush()
-    return _wait(socket, int(answer["id"])) if args.wait else base.EXIT_OK
+    return _wait(socket, [int(answer["id"])]) if args.wait else base.EXIT_OK
 
 
 def _stop_signal(text: str) -> str:
@@ -168,32 +214,49 @@ def _stop_signal(text: str) -> str:
     return text[2:] if text.upper().startswith("B:") else text
 
 
-def _wait(socket: str, job_id: int) -> int:
+def _wait(socket: str, refs: List[Union[int, str]]) -> int:
+    """Until every job named has ended (an array: each element, listed by state); then 0 when all are
+    done, else the first failure's status."""
     while True:
-        (job,) = _ask(socket, {"op": "jobs", "ids": [job_id]})["jobs"]
-        if job["state"] in J.ENDED:
+        jobs = _ask(socket, {"op": "jobs", "ids": refs, "collapse": True})["jobs"]
+        if not jobs:
+            raise CliError(f"no such job: {', '.join(map(str, refs))}", base.EXIT_FAILURE)
+        if all(j["state"] in J.ENDED for j in jobs):
             break
         time.sleep(_POLL_SECONDS)
-    print(f"job {job_id} {job['state']}", file=sys.stderr)
+    for j in jobs:
+        print(f"job {_shown_id(j)} {j['state']}", file=sys.stderr)
+    failed = [j for j in jobs if j["state"] != J.DONE]
+    if not failed:
+        return base.EXIT_OK
+    job = failed[0]
     if job["state"] == J.TIMEOUT:
         return EXIT_TIMEOUT
-    if job["state"] in (J.DONE, J.FAILED) and job["exit_status"] is not None:
-        return min(255, max(0, int(job["exit_status"])))
+    if job["state"] == J.FAILED and job["exit_status"] is not None:
+        return min(255, max(1, int(job["exit_status"])))
     return base.EXIT_FAILURE
 
 
-def _ids(text: str) -> List[int]:
+def _ids(text: str) -> List[Union[int, str]]:
     return [_job_id(part) for part in text.split(",") if part.strip()] if text else []
 
 
-def _job_id(text: str) -> int:
+def _job_id(text: str) -> Union[int, str]:
+    """`17` (a job, or a whole array) as a number, `17_5` (an array's element) as it is."""
     try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a job id") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a job id")
-    return value
+        job_id, index = arrays.parse_ref(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return job_id if index is None else f"{job_id}_{index}"
+
+
+def _shown_id(j: dict) -> str:
+    """`17`, `17_5`, or `17_[8-199]` for an array's elements in one state."""
+    if j.get("elements") is not None:
+        return f"{j['array_id']}_[{j['elements']}]"
+    if j.get("array_id"):
+        return f"{j['array_id']}_{j['array_index']}"
+    return str(j["id"])
 
 
 def _duration(text: str) -> float:
@@ -207,7 +270,14 @@ def _duration(text: str) -> float:
 
 
 def _jobs(args: argparse.Namespace, socket: str) -> int:
-    req = {"op": "jobs", "all": args.all, "user": args.user, "state": args.state}
+    user = args.user
+    if args.me:
+        user = _me()
+    req = {"op": "jobs", "all": args.all, "user": user, "state": args.state}
+    if args.ids:
+        req["ids"] = list(args.ids)
+    if not args.json and not args.expand:
+        req["collapse"] = True
     if not args.json and not args.all:
         req["limit"] = TABLE_WAITING
     answer = _ask(socket, req)
@@ -253,8 +323,9 @@ def _row(j: dict) -> tuple:
     if j.get("preempted") and j["state"] in (J.QUEUED, J.HELD, J.PREEMPTED, *J.LIVE):
         last = f"last preempted at {j['preempted'][11:19]}: {j.get('preempted_reason') or '?'}"
         why = f"{why} ({last})" if why else last
+    count = f" ({j['count']})" if j.get("count") else ""
     return (
-        str(j["id"]),
+        _shown_id(j) + count,
         sanitize(j["user"]),
         j["state"],
         gpus,
@@ -269,12 +340,24 @@ def _change(args: argparse.Namespace, socket: str) -> int:
     answer = _ask(socket, {"op": args.command, "ids": args.ids})
     code = base.EXIT_OK
     for r in answer["results"]:
-        if r["ok"]:
+        if r["ok"] and r.get("count") is not None:
+            print(f"job {r['id']}: {r['state']} ({r['count']} of {r['of']} elements)")
+        elif r["ok"]:
             print(f"job {r['id']}: {r['state']}")
         else:
             print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
             code = base.EXIT_FAILURE
     return code
+
+
+def _me() -> str:
+    """The name of the user running this command."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        raise CliError(f"uid {os.getuid()} has no user name", base.EXIT_FAILURE) from None
 
 
 # ------------------------------------------------------------------ logs

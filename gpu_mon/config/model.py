@@ -170,6 +170,7 @@ class QueueSection:
     max_running_per_user: int = 0
     max_gpus_per_user: int = 0
     max_queued_per_user: int = 1000
+    max_array_size: int = 10000  # elements of one `submit --array`; indices below it
     max_gpus_per_job: int = 0
     order: str = "fair"
     fair_window_hours: float = 24.0

@@ -183,6 +183,14 @@ QUEUE = SectionSpec(
             "1000",
             "A user with this many unfinished jobs is refused another.",
         ),
+        Key(
+            "max_array_size",
+            "whole number, at least 1",
+            plain(v.count),
+            "10000",
+            "The most elements one `submit --array` may queue; every index is below it (Slurm's "
+            "MaxArraySize). Each element counts as a job against max_queued_per_user.",
+        ),
         Key("max_gpus_per_job", "whole number", plain(v.limit), "0", "GPUs one job may ask for."),
         Key(
             "order",

@@ -38,6 +38,7 @@ from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
 from gpu_mon.engine.workloads.transient import Unit
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import placement
+from gpu_mon.queue.hooks import Hooks, Notices
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.prune import Pruner
 from gpu_mon.queue.requests import Requests, View, groups_of, output_of
@@ -112,11 +113,14 @@ class Queue:
         self.placed_at = -1e9
         self.force_place = False  # a job ended (its GPUs may take the next one at once)
         self.runs = Runs()  # what status, history and metrics hear of (report())
+        self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
+        self.hooks = Hooks(output_of, groups_of, note, supervisor.helpers)
 
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
         """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
+        self.notices.changes(self.store.all(), self.store.version)  # (what was before is not news)
         self._runs_seen()  # (the runs an earlier daemon left, before they are taken over)
         self._adopt()
         self._runs_seen()
@@ -236,7 +240,26 @@ class Queue:
         stopping: bool = False,
     ) -> Decision:
         """Place and act; return the policy's decision without starts on GPUs that jobs hold or claim.
-        While gpu-mon stops, only the jobs' ends are recorded."""
+        While gpu-mon stops, only the jobs' ends are recorded. Then the hooks of the jobs that ended."""
+        out = self._round(decision, index_of, uuids, now, stopping)
+        if not stopping:
+            self._notify(now)
+        return out
+
+    def _notify(self, now: float) -> None:
+        """Start the hooks of the jobs that ended (or were preempted) since the last round; look at those
+        running (a round again soon while any runs)."""
+        if self.store.version != self.notices.version:
+            for n in self.notices.changes(self.store.all(), self.store.version):
+                self.hooks.start(n, now)
+        self.hooks.poll(now)
+        again = self.hooks.next_poll(now)
+        if again is not None:
+            self.next_wake = again if self.next_wake is None else min(again, self.next_wake)
+
+    def _round(
+        self, decision: Decision, index_of: Dict[str, int], uuids: List[str], now: float, stopping: bool
+    ) -> Decision:
         self.dirty = False
         wall = self.wall()
         self._ended(wall)
@@ -515,6 +538,8 @@ def _launch(job: Job, gpus: Tuple[str, ...]) -> Launch:
             "GPU_MON_RESTART_COUNT": str(job.restarts),
         }
     )
+    if job.array_id:
+        env.update({"GPU_MON_ARRAY_ID": str(job.array_id), "GPU_MON_ARRAY_INDEX": str(job.array_index)})
     switch = os.geteuid() == 0
     if not switch and job.uid != os.geteuid():
         try:

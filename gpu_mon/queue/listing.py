@@ -78,7 +78,8 @@ def _pieces(j: Job) -> Tuple[bytes, bytes, bytes]:
         f'"restarts":{_value(j.restarts)},"exit_status":{_value(j.exit_status)},'
         f'"signal":{_value(j.signal or None)},"run_seconds":{_value(run_seconds(j))},'
         f'"preempted":{_time(j.preempted_at)},"preempted_reason":{_string(j.preempted_reason)},'
-        f'"command":{_strings(j.command)}}}'
+        f'"command":{_strings(j.command)},"array_id":{_value(j.array_id or None)},'
+        f'"array_index":{_value(j.array_index if j.array_id else None)}}}'
     )
     return head.encode(), gpus.encode(), tail.encode()
 

@@ -80,7 +80,8 @@ class PreemptWorkload:
 class Waiting:
     """Why a queued job does not start now. kind: busy (gpu, reason), taken (gpu, by_job or by_workload),
     after (after), running_limit (count running, starting: of them placed but not yet started; limit),
-    gpu_limit (count, limit), ahead (count), start_delay (until: wall-clock, as the jobs' times are),
+    gpu_limit (count, limit), array_limit (count: the array's elements running, limit: its %N), ahead
+    (count), start_delay (until: wall-clock, as the jobs' times are),
     too_many_gpus (count: the queue's GPUs), over_job_limit / over_user_limit (count: GPUs wanted, limit:
     GPUs per job or per user; it can never start under these limits)."""
 
@@ -113,6 +114,7 @@ class _Users:
     """Per user: GPUs and jobs running (this round's starts included), GPU-seconds over the window."""
 
     running: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    in_array: Dict[int, int] = field(default_factory=lambda: defaultdict(int))  # array id -> elements live
     starting: Dict[str, int] = field(default_factory=lambda: defaultdict(int))  # of running: not yet started
     gpus: Dict[str, int] = field(default_factory=lambda: defaultdict(int))
     usage: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -123,6 +125,8 @@ def _users(jobs: Sequence[Job], now: float, window: float) -> _Users:
     for j in jobs:
         if j.state in J.LIVE:
             u.running[j.user] += 1
+            if j.array_id:
+                u.in_array[j.array_id] += 1
             u.gpus[j.user] += len(j.gpus)
             u.usage[j.user] += j.gpu_seconds + max(0.0, now - (j.started or now)) * len(j.gpus)
         elif j.gpu_seconds and (j.ended is None or j.ended >= now - window):
@@ -147,14 +151,50 @@ def _running(jobs: Sequence[Job], gpus: Dict[str, GpuView], now: float, wall: fl
                 out["wakes"].append(now + (end - wall))
 
 
-def _dependency(job: Job, by_id: Dict[int, Job]) -> Tuple[Optional[CancelJob], Optional[Waiting]]:
+@dataclass(frozen=True)
+class _ArrayEnd:
+    """How far an array is, for the jobs that wait for all of it: an element that ended without success
+    (its id and state), or one not done yet."""
+
+    failed: Optional[Job] = None
+    not_done: Optional[Job] = None
+
+
+def _arrays(jobs: Sequence[Job], wanted: set) -> Dict[int, _ArrayEnd]:
+    """The arrays that some job waits for, each judged once (not once per waiting element)."""
+    out: Dict[int, _ArrayEnd] = {}
+    for j in jobs:
+        if j.array_id not in wanted:
+            continue
+        now = out.get(j.array_id, _ArrayEnd())
+        if now.failed is None and j.state in FAILED_DEPENDENCY:
+            out[j.array_id] = _ArrayEnd(j, now.not_done)
+        elif now.not_done is None and j.state != J.DONE:
+            out[j.array_id] = _ArrayEnd(now.failed, j)
+        else:
+            out.setdefault(j.array_id, now)
+    return out
+
+
+def _dependency(
+    job: Job, by_id: Dict[int, Job], arrays: Dict[int, _ArrayEnd]
+) -> Tuple[Optional[CancelJob], Optional[Waiting]]:
     for dep_id in job.after:
         dep = by_id.get(dep_id)
         if dep is None or dep.state in FAILED_DEPENDENCY:
             return CancelJob(job.id, dep_id, dep.state if dep else ""), None
+    for array_id in job.after_arrays:
+        end = arrays.get(array_id)
+        if end is None:
+            return CancelJob(job.id, array_id, ""), None
+        if end.failed is not None:
+            return CancelJob(job.id, end.failed.id, end.failed.state), None
     for dep_id in job.after:
         if by_id[dep_id].state != J.DONE:
             return None, Waiting("after", after=dep_id)
+    for array_id in job.after_arrays:
+        if arrays[array_id].not_done is not None:
+            return None, Waiting("after", after=array_id)
     return None, None
 
 
@@ -215,6 +255,8 @@ class _Placer:
             return Waiting("running_limit", count=running, limit=limit, starting=u.starting[job.user])
         if q.max_gpus_per_user and u.gpus[job.user] + job.gpus_wanted > q.max_gpus_per_user:
             return Waiting("gpu_limit", count=u.gpus[job.user], limit=q.max_gpus_per_user)
+        if job.array_limit and u.in_array[job.array_id] >= job.array_limit:
+            return Waiting("array_limit", count=u.in_array[job.array_id], limit=job.array_limit)
         return None
 
     def _gpus_for(self, job: Job) -> Optional[Waiting]:
@@ -232,6 +274,8 @@ class _Placer:
             self.claimed[g.uuid] = job.id
         self.users.running[job.user] += 1
         self.users.gpus[job.user] += job.gpus_wanted
+        if job.array_id:
+            self.users.in_array[job.array_id] += 1
         with_workload = [g for g in chosen if g.workload]
         if with_workload:
             for g in with_workload:
@@ -307,12 +351,14 @@ def place(
     cancels: List[CancelJob] = []
     waiting: Dict[int, Waiting] = {}
     cands: List[Job] = []
+    wanted = {a for j in jobs if j.after_arrays and j.state in (J.QUEUED, J.HELD) for a in j.after_arrays}
+    arrays = _arrays(jobs, wanted) if wanted else {}
     for j in jobs:
-        if j.state not in (J.QUEUED, J.HELD) or not j.after:
+        if j.state not in (J.QUEUED, J.HELD) or not (j.after or j.after_arrays):
             if j.state == J.QUEUED:
                 cands.append(j)
             continue
-        cancel, wait = _dependency(j, by_id)
+        cancel, wait = _dependency(j, by_id, arrays)
         if cancel is not None:
             cancels.append(cancel)
         elif wait is not None and j.state == J.QUEUED:

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
+from gpu_mon.queue import arrays
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import Listing, iso, run_seconds
@@ -60,9 +61,9 @@ class View:
     gpus: Optional[int] = None  # how many GPUs the queue had then (None: not placed yet)
 
 
-def default_output(home: str, job_id: int) -> str:
-    """Where a job's output goes without --output."""
-    return os.path.join(home, DEFAULT_OUTPUT, f"{job_id}.log")
+def default_output(home: str, job_ref: Union[int, str]) -> str:
+    """Where a job's output goes without --output (ID.log; an array's element: ARRAY_INDEX.log)."""
+    return os.path.join(home, DEFAULT_OUTPUT, f"{job_ref}.log")
 
 
 class Requests:
@@ -104,14 +105,32 @@ class Requests:
 
     def _submit(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         self._allowed(user)
+        spec = self._array(req)
         job = self._job_from(peer, user, req)
         try:
-            job, ahead = self.store.submit(job, self.queue.max_queued_per_user)
+            if spec is not None:
+                job = dataclasses.replace(job, array_limit=spec.limit)
+                job, ahead = self.store.submit_array(job, spec.indices, self.queue.max_queued_per_user)
+            else:
+                job, ahead = self.store.submit(job, self.queue.max_queued_per_user)
         except Refused as err:
             raise Bad(str(err), 1) from None
         self.changed()
+        if spec is not None:  # (its elements are encoded when a listing first shows them one by one)
+            count = len(spec.indices)
+            return {"id": job.id, "array_id": job.id, "elements": count, "state": job.state, "ahead": ahead}
         self.listing.prepare(job)  # (after the answer is decided: the next `jobs` only adds its reason)
         return {"id": job.id, "state": job.state, "ahead": ahead}
+
+    def _array(self, req: dict) -> Optional[arrays.ArraySpec]:
+        """The --array SPEC parsed (None without one); Bad (one line) for a spec that is refused."""
+        spec = req.get("array")
+        if spec is None:
+            return None
+        try:
+            return arrays.parse(spec, self.queue.max_array_size)
+        except arrays.SpecError as err:
+            raise Bad(f"--array: {err}") from None
 
     def _allowed(self, user: pwd.struct_passwd) -> None:
         q = self.queue
@@ -152,14 +171,7 @@ class Requests:
         grace = _number(req, "grace", q.grace_seconds)
         if grace > q.max_grace_seconds:
             raise Bad(f"--grace {grace:g} is over the limit of {q.max_grace_seconds:g} s", 1)
-        after = req.get("after") or []
-        if not isinstance(after, list) or not all(
-            isinstance(a, int) and not isinstance(a, bool) for a in after
-        ):
-            raise Bad("--after takes job ids")
-        for dep in after:
-            if self.store.get(dep) is None:
-                raise Bad(f"--after {dep}: no such job")
+        after, after_arrays = self._after(req.get("after") or [])
         output = _text(req, "output", "")
         if output and not os.path.isabs(output):
             raise Bad("--output must be an absolute path")
@@ -181,7 +193,10 @@ class Requests:
             name=name,
             gpus_wanted=gpus,
             priority=_int(req, "priority", 0, -1000000),
-            after=tuple(after),
+            after=after,
+            after_arrays=after_arrays,
+            notify=self._notify(req),
+            notify_each=bool(req.get("notify_each", False)),
             stop_signal=_signal(req.get("stop_signal", "SIGTERM")),
             stop_main_only=bool(req.get("stop_main_only", False)),
             grace=grace,
@@ -189,6 +204,30 @@ class Requests:
             requeue=bool(req.get("requeue", True)),
             state=J.HELD if req.get("hold") else J.QUEUED,
         )
+
+    def _after(self, refs: object) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """--after's jobs and whole arrays (`17`: every element of array 17; `17_5`: one element)."""
+        if not isinstance(refs, list) or len(refs) > 1000:
+            raise Bad("--after takes job ids")
+        jobs: List[int] = []
+        whole: List[int] = []
+        for ref in refs:
+            job_id, index = _ref(ref)
+            if index is None and job_id in self.store.arrays:
+                whole.append(job_id)
+                continue
+            job = self.store.get(job_id) if index is None else self.store.element(job_id, index)
+            if job is None:
+                raise Bad(f"--after {_ref_text(ref)}: no such job")
+            jobs.append(job.id)
+        return tuple(dict.fromkeys(jobs)), tuple(dict.fromkeys(whole))
+
+    def _notify(self, req: dict) -> Tuple[str, ...]:
+        """--notify CMD (run by /bin/sh as the user), or none."""
+        text = _text(req, "notify", "")
+        if len(text) > 4096:
+            raise Bad(f"--notify too long ({len(text)} characters; at most 4096)", 1)
+        return (text,) if text else ()
 
     def _could_start(self, gpus: int) -> None:
         """Refuse a job that could never start under the queue's GPUs and limits as they are now (one that
@@ -206,29 +245,49 @@ class Requests:
         view, now = self.view(), time.time()
         want_user, want_state = req.get("user"), req.get("state")
         ids, limit = req.get("ids") or [], req.get("limit")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or len(ids) > 10000:
             raise Bad("ids must be job ids")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise Bad("limit must be a whole number")
         every = bool(req.get("all")) or bool(ids) or want_state in J.ENDED
         if ids:
-            found = (self.store.get(i) for i in dict.fromkeys(ids))
-            candidates: List[Job] = [j for j in found if j is not None]
+            found = {j.id: j for ref in ids for j in self._found(ref)}
+            candidates: List[Job] = sorted(found.values(), key=lambda j: j.id)
         else:
             candidates = self.store.all()
-        parts: List[bytes] = []
-        waiting = more = 0
+        collapse = bool(req.get("collapse"))
+        entries: List[Union[Job, Tuple[int, str]]] = []  # a job, or an array's elements in one state
+        groups: Dict[Tuple[int, str], List[Job]] = {}
         for j in candidates:
             if (want_user and j.user != want_user) or (want_state and j.state != want_state):
                 continue
             if not every and j.state in J.ENDED:
                 continue
-            if limit is not None and j.state in (J.QUEUED, J.HELD):
+            if collapse and j.array_id:
+                key = (j.array_id, j.state)
+                group = groups.get(key)
+                if group is None:
+                    groups[key] = [j]
+                    entries.append(key)
+                else:
+                    group.append(j)
+                continue
+            entries.append(j)
+        parts: List[bytes] = []
+        waiting = more = 0
+        for e in entries:
+            first = e if isinstance(e, Job) else groups[e][0]
+            if limit is not None and first.state in (J.QUEUED, J.HELD):
                 waiting += 1
                 if waiting > limit:
                     more += 1
                     continue
-            parts.append(self._encoded(j, view, now))
+            encoded = self._encoded(first, view, now)
+            if not isinstance(e, Job):
+                members = groups[e]
+                indices = arrays.ranges(m.array_index for m in members)
+                encoded = encoded[:-1] + b',"elements":"%s","count":%d}' % (indices.encode(), len(members))
+            parts.append(encoded)
         if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
             self.listing.keep_only(self.store.jobs)
         return Encoded(b'{"ok":true,"jobs":[%s],"more":%d}' % (b",".join(parts), more))
@@ -250,31 +309,66 @@ class Requests:
 
     # ------------------------------------------------------------------ cancel, hold, release, logs
 
-    def _mine(self, peer: Peer, user: pwd.struct_passwd, job_id: object) -> Job:
-        if not isinstance(job_id, int) or isinstance(job_id, bool):
-            raise Bad(f"{sanitize(str(job_id))[:40]!r} is not a job id")
-        job = self.store.get(job_id)
-        if job is None:
-            raise Bad(f"job {job_id}: no such job", 1)
-        if peer.uid != 0 and job.uid != peer.uid:
-            raise Bad(f"job {job_id} is {job.user}'s, not yours", 1)
-        return job
+    def _found(self, ref: object) -> List[Job]:
+        """The jobs a reference names: `17` (a job, or every element of array 17), `17_5` (one element)."""
+        job_id, index = _ref(ref)
+        if index is None and job_id in self.store.arrays:
+            return self.store.elements(job_id)
+        job = self.store.get(job_id) if index is None else self.store.element(job_id, index)
+        return [job] if job is not None else []
+
+    def _targets(self, peer: Peer, ref: object) -> List[Job]:
+        """The jobs a reference names, when the asking user may change them (theirs; root: any)."""
+        found = self._found(ref)
+        if not found:
+            raise Bad(f"job {_ref_text(ref)}: no such job", 1)
+        if peer.uid != 0 and found[0].uid != peer.uid:
+            raise Bad(f"job {_ref_text(ref)} is {found[0].user}'s, not yours", 1)
+        return found
+
+    def _mine(self, peer: Peer, user: pwd.struct_passwd, ref: object) -> Job:
+        found = self._targets(peer, ref)
+        if len(found) > 1:
+            name = _ref_text(ref)
+            raise Bad(f"job {name} is an array of {len(found)} elements: name one ({name}_INDEX)")
+        return found[0]
 
     def _each(self, peer: Peer, user: pwd.struct_passwd, req: dict, change: Callable[[Job], Job]) -> dict:
         ids = req.get("ids")
-        if not isinstance(ids, list) or not ids:
+        if not isinstance(ids, list) or not ids or len(ids) > 10000:
             raise Bad("no job ids given")
         results: List[dict] = []
-        for job_id in ids:
+        for ref in ids:
             try:
-                self._mine(peer, user, job_id)
-                new = self.store.change(job_id, change)
-                state = new.state if new is not None else self.store.jobs[job_id].state
-                results.append({"id": job_id, "ok": True, "state": state})
+                found = self._targets(peer, ref)
+                whole = _ref(ref)[1] is None and found[0].array_id == _ref(ref)[0]
+                results.append(self._apply(ref, found, change) if whole else self._one(ref, found[0], change))
             except Bad as err:
-                results.append({"id": job_id, "ok": False, "error": str(err), "code": err.code})
+                results.append({"id": ref, "ok": False, "error": str(err), "code": err.code})
         self.changed()
         return {"results": results}
+
+    def _one(self, ref: object, job: Job, change: Callable[[Job], Job]) -> dict:
+        new = self.store.change(job.id, change)
+        state = new.state if new is not None else self.store.jobs[job.id].state
+        return {"id": ref, "ok": True, "state": state}
+
+    def _apply(self, ref: object, found: List[Job], change: Callable[[Job], Job]) -> dict:
+        """A change to every element of an array, in one transaction; the elements it does not apply to
+        (a cancel of those already ended) are left as they are."""
+
+        def quiet(job: Job) -> Optional[Job]:
+            try:
+                return change(job)
+            except Bad:
+                return None
+
+        changed = [j for j in self.store.change_many((j.id, quiet) for j in found) if j is not None]
+        if not changed:
+            states = ", ".join(sorted({j.state for j in found}))
+            raise Bad(f"array {_ref_text(ref)}: nothing to change (its {len(found)} elements: {states})", 1)
+        states = sorted({j.state for j in changed})
+        return {"id": ref, "ok": True, "state": ", ".join(states), "count": len(changed), "of": len(found)}
 
     def _cancel(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         who = user.pw_name
@@ -318,12 +412,12 @@ class Requests:
 def output_of(job: Job) -> str:
     """Where the job's output goes."""
     if job.output:
-        return job.output
+        return arrays.expand_output(job.output, job.id, job.array_id, job.array_index)
     try:
         home = pwd.getpwuid(job.uid).pw_dir
     except KeyError:
         home = "/nonexistent"
-    return default_output(home, job.id)
+    return default_output(home, J.ref(job))
 
 
 def cancelled_reason(job: Job, who: str) -> str:
@@ -373,7 +467,26 @@ def _described(j: Job, reason: str, indices: tuple) -> dict:
         "preempted": iso(j.preempted_at),
         "preempted_reason": j.preempted_reason,
         "command": list(j.command),
+        "array_id": j.array_id or None,
+        "array_index": j.array_index if j.array_id else None,
     }
+
+
+def _ref(ref: object) -> Tuple[int, Optional[int]]:
+    """A job reference from a request: 17 or "17" (a job or a whole array), "17_5" (an element)."""
+    if isinstance(ref, int) and not isinstance(ref, bool):
+        return ref, None
+    if isinstance(ref, str) and len(ref) < 40:
+        try:
+            return arrays.parse_ref(ref)
+        except ValueError:
+            pass
+    raise Bad(f"{sanitize(str(ref))[:40]!r} is not a job id")
+
+
+def _ref_text(ref: object) -> str:
+    job_id, index = _ref(ref)
+    return str(job_id) if index is None else f"{job_id}_{index}"
 
 
 def _user(uid: int) -> pwd.struct_passwd:

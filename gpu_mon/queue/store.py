@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import threading
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from gpu_mon.api import historydb
 from gpu_mon.queue import jobs as J
@@ -30,7 +30,7 @@ CREATE TABLE jobs (
 CREATE INDEX jobs_by_state ON jobs (state);
 CREATE INDEX jobs_by_user_state ON jobs (user, state);
 """
-_TUPLES = ("command", "after", "gpus")
+_TUPLES = ("command", "after", "gpus", "after_arrays", "notify")
 
 
 class NotOurs(Exception):
@@ -94,9 +94,12 @@ class Store:
         # user, and queued jobs.
         self._unfinished: Dict[str, int] = {}
         self._queued = 0
+        self.arrays: Dict[int, Dict[int, int]] = {}  # array id -> index -> the element's job id
         for job_id, text in conn.execute("SELECT id, data FROM jobs ORDER BY id"):
-            self.jobs[job_id] = _from_row(job_id, text)
-            self._tally(self.jobs[job_id], 1)
+            job = self.jobs[job_id] = _from_row(job_id, text)
+            self._tally(job, 1)
+            if job.array_id:
+                self.arrays.setdefault(job.array_id, {})[job.array_index] = job_id
 
     def _tally(self, job: Job, sign: int) -> None:
         if job.state not in J.ENDED:
@@ -133,6 +136,18 @@ class Store:
         with self.lock:
             return self.jobs.get(job_id)
 
+    def elements(self, array_id: int) -> List[Job]:
+        """An array's elements, by index (empty: no such array)."""
+        with self.lock:
+            members = self.arrays.get(array_id, {})
+            return [self.jobs[members[i]] for i in sorted(members)]
+
+    def element(self, array_id: int, index: int) -> Optional[Job]:
+        """One element of an array, or None."""
+        with self.lock:
+            job_id = self.arrays.get(array_id, {}).get(index)
+            return self.jobs.get(job_id) if job_id is not None else None
+
     def unfinished(self, user: str) -> int:
         """How many of this user's jobs have not ended."""
         with self.lock:
@@ -164,6 +179,54 @@ class Store:
             self.version += 1
             return job, ahead
 
+    def submit_array(self, job: Job, indices: Sequence[int], max_unfinished: int) -> Tuple[Job, int]:
+        """Add an array: one element (a job) per index, all in one transaction, with consecutive ids; the
+        array's id is its first element's. Return the first element and how many queued jobs are ahead.
+        Refused (nothing added) when the elements would take the user over `max_unfinished`."""
+        with self.lock:
+            mine = self._unfinished.get(job.user, 0)
+            if mine + len(indices) > max_unfinished:
+                raise Refused(
+                    f"{job.user} has {mine} unfinished jobs; {len(indices)} more would pass the limit "
+                    f"of {max_unfinished} ([queue] max_queued_per_user)"
+                )
+            first = self._next_id()
+            base = dataclasses.replace(job, id=first, array_id=first, array_index=0)
+            # One encoding of the whole job; each element's row is it with its own index (written last)
+            data = json.loads(_to_row(base))
+            data.pop("array_index")
+            head = json.dumps(data, separators=(",", ":"))[:-1] + ',"array_index":'
+            rows = [
+                (first + k, job.user, job.state, job.submitted, job.ended, f"{head}{i}}}")
+                for k, i in enumerate(indices)
+            ]
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.executemany(
+                    "INSERT INTO jobs (id, user, state, submitted, ended, data) VALUES (?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            ahead = self._queued
+            members = self.arrays[first] = {}
+            for k, i in enumerate(indices):
+                self.jobs[first + k] = J.element(base, first + k, i)
+                members[i] = first + k
+            self._unfinished[job.user] = mine + (0 if job.state in J.ENDED else len(indices))
+            if job.state == J.QUEUED:
+                self._queued += len(indices)
+            self.version += 1
+            return self.jobs[first], ahead
+
+    def _next_id(self) -> int:
+        """The id the next insert would get (AUTOINCREMENT: never one used before, even if pruned)."""
+        seq = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
+        top = self.conn.execute("SELECT max(id) FROM jobs").fetchone()
+        return max(int(seq[0]) if seq else 0, int(top[0] or 0) if top else 0) + 1
+
     def prune(self, before: float, batch: int = 500) -> int:
         """Remove the jobs that ended before `before` (wall time), but not one an unfinished job waits on
         (`--after`); how many. A few hundred a transaction: the lock is never held long (the daemon's
@@ -171,11 +234,18 @@ class Store:
         removed = 0
         while True:
             with self.lock:
-                needed = {a for j in self.jobs.values() if j.state not in J.ENDED for a in j.after}
+                live = [j for j in self.jobs.values() if j.state not in J.ENDED]
+                needed = {a for j in live for a in j.after}
+                arrays = {a for j in live for a in j.after_arrays}  # (and its live elements keep an array)
+                arrays.update(j.array_id for j in live if j.array_id)
                 old = [
                     i
                     for i, j in self.jobs.items()
-                    if j.state in J.ENDED and j.ended is not None and j.ended < before and i not in needed
+                    if j.state in J.ENDED
+                    and j.ended is not None
+                    and j.ended < before
+                    and i not in needed
+                    and j.array_id not in arrays
                 ][:batch]
                 if not old:
                     return removed
@@ -187,7 +257,12 @@ class Store:
                     self.conn.execute("ROLLBACK")
                     raise
                 for i in old:
-                    del self.jobs[i]
+                    gone = self.jobs.pop(i)
+                    if gone.array_id:
+                        members = self.arrays.get(gone.array_id, {})
+                        members.pop(gone.array_index, None)
+                        if not members:
+                            self.arrays.pop(gone.array_id, None)
                 self.version += 1
                 removed += len(old)
 

@@ -28,6 +28,8 @@ def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
         return f"{sanitize(user)} has {_running(w.count, w.starting)} (limit {w.limit})"
     if w.kind == "gpu_limit":
         return f"{sanitize(user)} has {w.count} GPUs (limit {w.limit})"
+    if w.kind == "array_limit":
+        return f"{w.count} of its array running (limit %{w.limit})"
     if w.kind == "ahead":
         return f"{w.count} job{'s' if w.count != 1 else ''} ahead"
     if w.kind == "start_delay":

@@ -1,0 +1,121 @@
+"""Job arrays, pure: `submit --array SPEC` as Slurm writes it (`0-199`, `1,3,5-9`, `0-99:5`, `0-199%8`), an
+array's indices written back as ranges (`8-199`, `1,3,5-9`), and `--output`'s patterns (%A %a %j).
+
+The parser never builds more than it may keep: the spec's length, each number's digits and the count of
+elements are checked before any index list is made, so `0-99999999` or a megabyte of commas costs nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Tuple
+
+MAX_SPEC = 64 * 1024  # characters of a SPEC (an explicit list of 10 000 indices fits)
+_NUMBER = re.compile(r"^[0-9]{1,9}$")
+_PATTERN = re.compile(r"%[%Aaj]")
+
+
+class SpecError(ValueError):
+    """A SPEC that is refused; str() is one line."""
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """The indices an array has (sorted, each once) and how many of its elements may run at once (0: any)."""
+
+    indices: Tuple[int, ...]
+    limit: int = 0
+
+
+def _number(text: str, what: str) -> int:
+    if not _NUMBER.match(text):
+        raise SpecError(f"{what} {_shown(text)!s} is not a whole number")
+    return int(text)
+
+
+def _shown(text: str) -> str:
+    return repr(text if len(text) <= 20 else text[:20] + "...")
+
+
+def _item(text: str, max_size: int) -> range:
+    """One item: `A`, `A-B` or `A-B:S`, as a range of indices (each below max_size)."""
+    if not text:
+        raise SpecError("an empty item (two commas, or a comma at an end)")
+    step = 1
+    if ":" in text:
+        text, _, step_text = text.partition(":")
+        step = _number(step_text, "the step")
+        if step < 1:
+            raise SpecError("the step must be at least 1")
+    first_text, dash, last_text = text.partition("-")
+    first = _number(first_text, "index")
+    last = _number(last_text, "index") if dash else first
+    if last < first:
+        raise SpecError(f"range {first}-{last} ends before it starts")
+    if last >= max_size:
+        raise SpecError(f"index {last} is over the largest allowed, {max_size - 1} ([queue] max_array_size)")
+    if step != 1 and not dash:
+        raise SpecError(f"a step needs a range ({_shown(text)})")
+    return range(first, last + 1, step)
+
+
+def parse(spec: str, max_size: int) -> ArraySpec:
+    """`0-199%8` -> indices 0..199, at most 8 running; SpecError (one line) for anything else."""
+    if not isinstance(spec, str):
+        raise SpecError("the array spec must be text")
+    if len(spec) > MAX_SPEC:
+        raise SpecError(f"the array spec is too long ({len(spec)} characters; at most {MAX_SPEC})")
+    body, percent, limit_text = spec.strip().partition("%")
+    limit = 0
+    if percent:
+        limit = _number(limit_text, "the %N limit")
+        if limit < 1:
+            raise SpecError("the %N limit must be at least 1")
+    if not body:
+        raise SpecError("no indices given (e.g. 0-99, 1,3,5-9, 0-99:5, 0-99%8)")
+    ranges: List[range] = []
+    count = 0
+    for part in body.split(","):
+        r = _item(part, max_size)
+        count += len(r)
+        if count > max_size:
+            raise SpecError(f"more than {max_size} elements ([queue] max_array_size)")
+        ranges.append(r)
+    indices = ranges[0] if len(ranges) == 1 else sorted({i for r in ranges for i in r})
+    return ArraySpec(tuple(indices), limit)
+
+
+def ranges(indices: Iterable[int]) -> str:
+    """Sorted indices as a SPEC: `0-3,7,9-10` (`jobs` shows an array's elements in one state so)."""
+    out: List[str] = []
+    start: Optional[int] = None
+    prev = -2
+    for i in sorted(indices):
+        if i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            out.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = i
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(out)
+
+
+def expand_output(pattern: str, job_id: int, array_id: int, index: Optional[int]) -> str:
+    """--output's `%A` (the array's id; the job's own outside an array), `%a` (the index; 0 outside an
+    array), `%j` (the job's id) and `%%` (a percent sign), as Slurm's are."""
+    if "%" not in pattern:
+        return pattern
+    values = {"%%": "%", "%A": str(array_id or job_id), "%a": str(index or 0), "%j": str(job_id)}
+    return _PATTERN.sub(lambda m: values[m.group(0)], pattern)
+
+
+def parse_ref(text: str) -> Tuple[int, Optional[int]]:
+    """A job reference as users write it: `17` (a job, or a whole array) or `17_5` (one element):
+    (17, None) or (17, 5). ValueError when it is neither."""
+    head, under, tail = str(text).strip().partition("_")
+    if not _NUMBER.match(head) or int(head) < 1 or (under and not _NUMBER.match(tail)):
+        raise ValueError(f"{_shown(str(text))} is not a job id (17, or 17_5 for an array's element)")
+    return int(head), (int(tail) if under else None)

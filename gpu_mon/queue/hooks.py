@@ -1,0 +1,224 @@
+"""Notifications: a job's hook (`submit --notify CMD`, else the user's executable ~/.config/gpu-mon/notify)
+runs when the job ends or is preempted, as the job's user, in its directory, its output into the job's log.
+
+`Notices` finds what to notify by comparing the store's jobs with what it saw last (every way a job ends
+is found the same way: an exit, a cancel, a failed dependency, an earlier daemon's run found at start); an
+array without --notify-each notifies once, when its last element ends. `Hooks` runs each hook as a child
+of the daemon that the loop polls (never waited for): 30 s, then its process group is killed. A hook that
+fails is one line in the daemon's log and one in the job's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import pwd
+import shlex
+import signal
+import stat
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from gpu_mon.api.text import sanitize
+from gpu_mon.queue import jobs as J
+from gpu_mon.queue.jobs import Job
+
+log = logging.getLogger("gpu_mon")
+
+HOOK_SECONDS = 30.0
+POLL_SECONDS = 0.2  # how often running hooks are looked at
+DEFAULT_HOOK = ".config/gpu-mon/notify"  # under the user's home
+PREEMPTED, REQUEUED = "preempted", "requeued"
+# As the user: the job's log for output (/dev/null when it cannot be opened), its directory, then the hook.
+# $1 the log, $2 the directory, $3 the hook's command line.
+_WRAPPER = (
+    '{ exec >>"$1"; } 2>/dev/null || exec >/dev/null; exec 2>&1; '
+    'cd -- "$2" 2>/dev/null || cd / || exit 126; exec /bin/sh -c "$3"'
+)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something to tell a job's user: the job (an array's notice: its last element to end), how it ended
+    (done, failed, cancelled, timeout, preempted, requeued), its exit status, and an array's counts."""
+
+    job: Job
+    state: str
+    exit: Optional[int]
+    counts: str = ""  # an array's: `done=198 failed=2`
+
+
+def _event(before: Tuple[str, int], job: Job) -> Optional[str]:
+    """How the job ended or went back to the queue since it was seen as `before` (state, restarts)."""
+    state, restarts = before
+    if job.state in J.ENDED and state not in J.ENDED:
+        return job.state
+    if job.state == J.QUEUED and job.restarts > restarts:
+        return PREEMPTED if job.reason == "preempted" else REQUEUED
+    return None
+
+
+class Notices:
+    """What to notify, found by comparing the jobs with those seen last (pure; one pass over the jobs)."""
+
+    def __init__(self) -> None:
+        self.seen: Dict[int, Tuple[str, int]] = {}
+        self.version = -1
+
+    def changes(self, jobs: Iterable[Job], version: int) -> List[Notice]:
+        """The notices since the last call (none the first time: what was before is not news)."""
+        if version == self.version:
+            return []
+        first = self.version < 0
+        self.version = version
+        out: List[Notice] = []
+        ended: Dict[int, Job] = {}  # array -> its element that ended in this pass (the last one wins)
+        unfinished: Dict[int, int] = collections.defaultdict(int)
+        counts: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        failure: Dict[int, Job] = {}  # array -> its first element that did not end done
+        seen: Dict[int, Tuple[str, int]] = {}
+        for j in jobs:
+            seen[j.id] = (j.state, j.restarts)
+            if j.array_id:
+                if j.state in J.ENDED:
+                    counts[j.array_id][j.state] += 1
+                    if j.state != J.DONE and j.array_id not in failure:
+                        failure[j.array_id] = j
+                else:
+                    unfinished[j.array_id] += 1
+            before = self.seen.get(j.id)
+            event = None if first or before is None else _event(before, j)
+            if event is None:
+                continue
+            if j.array_id and not j.notify_each:
+                if event in J.ENDED:
+                    ended[j.array_id] = j
+                continue
+            out.append(Notice(j, event, j.exit_status))
+        self.seen = seen
+        for array_id, last in ended.items():
+            if unfinished[array_id]:
+                continue
+            bad = failure.get(array_id)
+            state = bad.state if bad is not None else J.DONE
+            exit_status = bad.exit_status if bad is not None else 0
+            text = " ".join(f"{s}={n}" for s, n in sorted(counts[array_id].items()))
+            out.append(Notice(last, state, exit_status, text))
+        return out
+
+
+def environment(n: Notice) -> Dict[str, str]:
+    """The hook's environment: the job's own, and what happened to it."""
+    j = n.job
+    env = dict(j.env)
+    env.update(
+        GPU_MON_JOB_ID=str(j.id),
+        GPU_MON_JOB_NAME=j.name,
+        GPU_MON_JOB_STATE=n.state,
+        GPU_MON_JOB_EXIT="" if n.exit is None else str(n.exit),
+    )
+    if j.array_id:
+        env.update(GPU_MON_ARRAY_ID=str(j.array_id), GPU_MON_ARRAY_INDEX=str(j.array_index))
+        if n.counts:
+            env["GPU_MON_ARRAY_COUNTS"] = n.counts
+    return env
+
+
+def command_of(job: Job) -> str:
+    """The hook's command line: --notify's, else the user's executable default hook, else ""."""
+    if job.notify:
+        return job.notify[0]
+    try:
+        home = pwd.getpwuid(job.uid).pw_dir
+    except KeyError:
+        return ""
+    path = os.path.join(home, DEFAULT_HOOK)
+    try:
+        st = os.stat(path)  # (only whether it is there: it runs as the user, with the user's rights)
+    except OSError:
+        return ""
+    if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+        return ""
+    return "exec " + shlex.quote(path)
+
+
+@dataclass
+class _Running:
+    popen: subprocess.Popen
+    job: Job
+    deadline: float
+
+
+class Hooks:
+    """The hooks running now: started without waiting, looked at each round, killed after HOOK_SECONDS."""
+
+    def __init__(
+        self,
+        output_of: Callable[[Job], str],
+        groups_of: Callable[[int, int], Tuple[int, ...]],
+        note: Callable[[Job, str], bool],
+        keep: Dict[int, subprocess.Popen],
+    ) -> None:
+        self.output_of, self.groups_of, self.note = output_of, groups_of, note
+        self.keep = keep  # the supervisor's helpers: a child it must not reap for us
+        self.running: List[_Running] = []
+
+    def start(self, n: Notice, now: float) -> None:
+        """Run the job's hook, if it has one (never as root for another user's job)."""
+        cmd = command_of(n.job)
+        if not cmd:
+            return
+        j = n.job
+        if os.geteuid() != 0 and j.uid != os.geteuid():
+            log.info("queue: job %s: its hook is not run: gpu-mon is not root", J.ref(j))
+            return
+        ids = {}
+        if os.geteuid() == 0:
+            ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
+        argv = ["/bin/sh", "-c", _WRAPPER, "gpu-mon-notify", self.output_of(j), j.cwd or "/", cmd]
+        try:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd="/",
+                env=environment(n),
+                start_new_session=True,  # (its own group: killed whole after HOOK_SECONDS)
+                **ids,  # type: ignore[arg-type]
+            )
+        except OSError as err:
+            self._failed(j, f"cannot run its hook: {err.strerror or err}")
+            return
+        self.keep[popen.pid] = popen
+        self.running.append(_Running(popen, j, now + HOOK_SECONDS))
+        log.info("queue: job %s %s: running its hook[%d]", J.ref(j), n.state, popen.pid)
+
+    def poll(self, now: float) -> None:
+        """Reap the hooks that ended (a failure: one line each), kill those past their time."""
+        still: List[_Running] = []
+        for r in self.running:
+            code = r.popen.poll()
+            if code is None and now >= r.deadline:
+                with contextlib.suppress(OSError):  # (ours, not yet reaped: the group is still its)
+                    os.killpg(r.popen.pid, signal.SIGKILL)
+                r.popen.wait()
+                self._failed(r.job, f"its hook took over {HOOK_SECONDS:g} s: killed")
+            elif code is None:
+                still.append(r)
+                continue
+            elif code != 0:
+                self._failed(r.job, f"its hook exited with status {code}")
+            self.keep.pop(r.popen.pid, None)
+        self.running = still
+
+    def next_poll(self, now: float) -> Optional[float]:
+        """When the running hooks should be looked at again (None: none runs)."""
+        return now + POLL_SECONDS if self.running else None
+
+    def _failed(self, job: Job, what: str) -> None:
+        log.warning("queue: job %s: %s", J.ref(job), sanitize(what))
+        self.note(job, f"gpu-mon: job {J.ref(job)}: {what}")

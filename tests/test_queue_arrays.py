@@ -1,0 +1,404 @@
+"""Job arrays (`submit --array`): the SPEC parser against hostile input, the store and placement with
+thousands of elements, and the real daemon on simulated GPUs with users made here (their own names: other
+queue tests use gmqalice and gmqbob)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+from conftest import kill_marked, wait_for
+from test_queue import Lab, _make_user, lab_files, queue_body
+
+from gpu_mon.config import QueueSection
+from gpu_mon.queue import arrays, placement
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.store import Refused, Store
+
+GROUP = "gmalab"
+JOB = r"""
+import json, os, sys, time
+env = os.environ
+keys = ("GPU_MON_JOB_ID", "GPU_MON_ARRAY_ID", "GPU_MON_ARRAY_INDEX", "GPU_MON_RESTART_COUNT")
+start = time.time()
+path = os.path.join(os.getcwd(), "report-" + env["GPU_MON_JOB_ID"] + ".jsonl")
+with open(path, "a") as f:
+    f.write(json.dumps({"event": "start", "t": start, **{k: env.get(k) for k in keys}}) + "\n")
+print("hello from", env["GPU_MON_JOB_ID"], flush=True)
+time.sleep(float(sys.argv[1]))
+with open(path, "a") as f:
+    f.write(json.dumps({"event": "end", "t": time.time()}) + "\n")
+sys.exit(int(sys.argv[2]))
+"""
+
+
+# ------------------------------------------------------------------ the SPEC, pure
+
+
+@pytest.mark.parametrize(
+    "spec, indices, limit",
+    [
+        ("0-3", (0, 1, 2, 3), 0),
+        ("1,3,5-7", (1, 3, 5, 6, 7), 0),
+        ("0-20:5", (0, 5, 10, 15, 20), 0),
+        ("0-199%8", tuple(range(200)), 8),
+        ("7", (7,), 0),
+        ("3,1,3,2", (1, 2, 3), 0),  # sorted, each once
+        (" 0-1 ", (0, 1), 0),
+        ("0-9999", tuple(range(10000)), 0),
+    ],
+)
+def test_a_spec_as_slurm_writes_it(spec: str, indices: tuple, limit: int) -> None:
+    assert arrays.parse(spec, 10000) == arrays.ArraySpec(indices, limit)
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("0-99999999", "index 99999999 is over the largest allowed, 9999"),
+        ("5-1", "range 5-1 ends before it starts"),
+        ("%0", "the %N limit must be at least 1"),
+        ("0-9%0", "the %N limit must be at least 1"),
+        ("1,,2", "an empty item"),
+        ("0-9%-1", "the %N limit '-1' is not a whole number"),
+        ("," * (1 << 20), "the array spec is too long (1048576 characters"),
+        ("", "no indices given"),
+        ("%4", "no indices given"),
+        ("-1", "index '' is not a whole number"),
+        ("0-9:0", "the step must be at least 1"),
+        ("5:2", "a step needs a range"),
+        ("0-9%2%3", "the %N limit '2%3' is not a whole number"),
+        ("1e3", "index '1e3' is not a whole number"),
+        ("٣", "index '٣' is not a whole number"),  # (a digit to int(), not to Slurm)
+        ("9" * 5000, "is not a whole number"),  # (never handed to int(): no 4300-digit error)
+        ("0-9999,0-9999", "more than 10000 elements"),
+        ("0-9,a", "index 'a' is not a whole number"),
+        ("0 - 9", "index '0 ' is not a whole number"),
+    ],
+)
+def test_a_hostile_spec_is_refused_in_one_line_quickly(spec: str, says: str) -> None:
+    t = time.monotonic()
+    with pytest.raises(arrays.SpecError) as err:
+        arrays.parse(spec, 10000)
+    assert time.monotonic() - t < 0.5
+    assert says in str(err.value) and "\n" not in str(err.value) and len(str(err.value)) < 200
+
+
+def test_ranges_output_patterns_and_refs() -> None:
+    assert arrays.ranges([9, 0, 1, 2, 3, 7, 10]) == "0-3,7,9-10"
+    assert arrays.ranges([]) == "" and arrays.ranges([4]) == "4"
+    assert arrays.expand_output("/o/%A_%a-%j.%%log", 22, 17, 5) == "/o/17_5-22.%log"
+    assert arrays.expand_output("/o/%A-%a", 9, 0, 0) == "/o/9-0"  # (not an array: its own id, index 0)
+    assert arrays.expand_output("/o/%x%", 9, 0, 0) == "/o/%x%"
+    assert arrays.parse_ref("17") == (17, None) and arrays.parse_ref("17_5") == (17, 5)
+    for bad in ("0", "17_", "_5", "17_5_1", "x", "-3", "17_-1"):
+        with pytest.raises(ValueError):
+            arrays.parse_ref(bad)
+
+
+# ------------------------------------------------------------------ the store and placement, 10 000 elements
+
+
+def _job(user: str = "ann", **kw) -> Job:
+    env = tuple((f"VAR{i}", "x" * 40) for i in range(40))
+    fields = dict(id=0, user=user, uid=1000, gid=1000, command=("python3", "train.py"), cwd="/tmp")
+    fields.update(env=env, output="", submitted=time.time())
+    fields.update(kw)
+    return Job(**fields)  # type: ignore[arg-type]
+
+
+def test_an_array_is_stored_in_one_transaction_with_consecutive_ids_and_read_back(tmp_path: Path) -> None:
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, time.time())
+    store.submit(_job(), 100000)
+    spec = arrays.parse("0-9999%8", 10000)
+    t = time.monotonic()
+    first, ahead = store.submit_array(_job(array_limit=spec.limit), spec.indices, 100000)
+    took = time.monotonic() - t
+    assert (first.id, first.array_id, first.array_index, ahead) == (2, 2, 0, 1)
+    assert [j.id for j in store.elements(2)] == list(range(2, 10002))
+    assert store.element(2, 9999).id == 10001 and store.unfinished("ann") == 10001
+    with pytest.raises(Refused, match="10001 unfinished jobs; 3 more would pass the limit of 10003"):
+        store.submit_array(_job(), (0, 1, 2), 10003)
+    assert len(store.jobs) == 10001  # nothing of the refused array
+    store.close()
+    again = Store.open(path, time.time())
+    assert again.jobs == store.jobs and again.arrays == store.arrays
+    assert again.jobs[10001].array_limit == 8
+    nxt, _ = again.submit(_job(), 100000)
+    assert nxt.id == 10002  # ids go on after the array's
+    assert took < 5  # (the bench measures it; here only that it is not one transaction an element)
+
+
+def test_placement_keeps_an_arrays_limit_and_waits_for_a_whole_array() -> None:
+    gpus = [placement.GpuView(f"GPU-{i}", False, free_since=0.0) for i in range(4)]
+    base = _job(array_id=1, array_limit=2)
+    elements = [Job(**{**base.__dict__, "id": 1 + i, "array_index": i}) for i in range(6)]
+    after = _job(user="ben", id=7, after_arrays=(1,))
+    plan = placement.place([*elements, after], gpus, QueueSection(), 0, 100.0, time.time())
+    assert [s.job for s in plan.starts] == [1, 2]
+    assert plan.waiting[3] == placement.Waiting("array_limit", count=2, limit=2)
+    assert plan.waiting[7] == placement.Waiting("after", after=1)
+    done = [Job(**{**e.__dict__, "state": "done"}) for e in elements]
+    plan = placement.place([*done, after], gpus, QueueSection(), 0, 100.0, time.time())
+    assert [s.job for s in plan.starts] == [7]
+    failed = [*done[:3], Job(**{**done[3].__dict__, "state": "failed"}), *done[4:]]
+    plan = placement.place([*failed, after], gpus, QueueSection(), 0, 100.0, time.time())
+    assert plan.cancels == (placement.CancelJob(7, 4, "failed"),)
+
+
+def test_placing_10000_elements_is_linear_not_quadratic() -> None:
+    gpus = [placement.GpuView(f"GPU-{i}", False, free_since=0.0) for i in range(8)]
+
+    def took(n: int) -> float:
+        base = _job(array_id=1, array_limit=4)
+        jobs = [Job(**{**base.__dict__, "id": 1 + i, "array_index": i}) for i in range(n)]
+        jobs.append(_job(user="ben", id=n + 1, after_arrays=(1,)))
+        best = 1e9
+        for _ in range(3):
+            t = time.perf_counter()
+            placement.place(jobs, gpus, QueueSection(), 0, 100.0, time.time())
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    small, large = took(1000), took(10000)
+    assert large < 30 * small, (small, large)  # linear: ~10x; quadratic: ~100x
+
+
+# ------------------------------------------------------------------ the real daemon
+
+
+pytestmark_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them")
+
+
+@pytest.fixture
+def alab(sim):
+    """Two users of our own (gmaann, gmaben), the package where they can read it, the job script and the
+    client's config; all removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="gpu-mon-arrays-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    users = []
+    try:
+        ann = _make_user("gmaann", base)
+        users.append(ann)
+        ben = _make_user("gmaben", base)
+        users.append(ben)
+        code, job, conf = lab_files(base, JOB)
+        marker = f"gma-{os.getpid()}-{time.monotonic_ns()}"
+        run_dir = base / "run"
+        yield Lab(base, code, job, conf, run_dir / "queue.sock", base / "queue.sqlite", ann, ben, marker)
+    finally:
+        kill_marked(locals().get("marker", "never-a-marker"))
+        for u in users:
+            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only the test's users
+            subprocess.run(["userdel", "-r", u.name], capture_output=True)
+        subprocess.run(["rm", "-rf", str(base)], capture_output=True)
+
+
+def _reports(lab: Lab, user, job_id: int) -> List[dict]:
+    path = user.work / f"report-{job_id}.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def _elements(lab: Lab, user) -> Dict[str, dict]:
+    return {f"{j['array_id']}_{j['array_index']}": j for j in lab.jobs(user).values() if j["array_id"]}
+
+
+@pytestmark_root
+def test_an_array_runs_each_element_as_a_job_with_its_index_limit_and_output(alab, daemon_factory):
+    lab = alab
+    body = queue_body(lab, "max_queued_per_user = 20\nmax_array_size = 100\n")
+    daemon_factory(body, defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann, ben = lab.alice, lab.bob
+    # hostile specs: one line, exit 2 (1: a limit), nothing queued
+    for spec, code in (
+        ("0-99999999", 2),
+        ("5-1", 2),
+        ("%0", 2),
+        ("1,,2", 2),
+        ("0-9%-1", 2),
+        ("," * 100000, 2),
+        ("0-20", 1),
+    ):
+        r = lab.run(ann, "submit", "--array", spec, "--", "/bin/true")
+        assert r.returncode == code and r.stderr.count("\n") == 1, (spec, r.stderr)
+        assert r.stderr.startswith("gpu-mon: ") and len(r.stderr) < 200
+    assert lab.jobs(ann) == {}
+    out = str(lab.alice.work / "out-%A_%a.log")
+    r = lab.run(
+        ann,
+        "submit",
+        "--array",
+        "0-4,8%2",
+        "--output",
+        out,
+        "--",
+        "/usr/bin/python3",
+        str(lab.job),
+        "0.4",
+        "0",
+        lab.marker,
+    )
+    assert r.returncode == 0 and r.stdout == "job 1: 6 elements queued (0 ahead)\n", r.stderr
+    # ben may see it but not touch it
+    for op in ("cancel", "hold", "release"):
+        for ref in ("1", "1_3"):
+            r = lab.run(ben, op, ref)
+            assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {ref} is gmaann's, not yours\n")
+    r = lab.run(ann, "jobs")
+    assert r.returncode == 0 and "1_[" in r.stdout, r.stdout
+    r = lab.run(ann, "wait", "1")
+    assert r.returncode == 0, r.stderr
+    jobs = _elements(lab, ann)
+    assert sorted(jobs) == ["1_0", "1_1", "1_2", "1_3", "1_4", "1_8"]
+    spans = []
+    for ref, j in jobs.items():
+        assert j["state"] == "done"
+        index = int(ref.split("_")[1])
+        start, end = _reports(lab, ann, j["id"])
+        assert (start["GPU_MON_JOB_ID"], start["GPU_MON_ARRAY_ID"]) == (str(j["id"]), "1")
+        assert start["GPU_MON_ARRAY_INDEX"] == str(index)
+        log = lab.alice.work / f"out-1_{index}.log"
+        assert log.read_text() == f"hello from {j['id']}\n" and log.stat().st_uid == ann.uid
+        spans.append((start["t"], end["t"]))
+    for t, _ in spans:  # %2: never more than two at once
+        assert sum(1 for s, e in spans if s <= t < e) <= 2
+    r = lab.run(ann, "jobs", "--all")
+    assert "1_[0-4,8] (6)" in r.stdout, r.stdout
+    r = lab.run(ann, "jobs", "--all", "--expand")
+    assert "1_8 " in r.stdout and "1_[" not in r.stdout, r.stdout
+
+
+@pytestmark_root
+def test_cancel_hold_release_and_after_take_an_array_or_one_element(alab, daemon_factory):
+    lab = alab
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann, ben = lab.alice, lab.bob
+    cmd = ["--", "/usr/bin/python3", str(lab.job), "0.1", "0", lab.marker]
+    arr = lab.submit(ann, "--hold", "--array", "0-3", *cmd)
+    after = lab.submit(ben, "--after", str(arr), *cmd)
+    one = lab.submit(ben, "--after", f"{arr}_2", *cmd)
+    r = lab.run(ann, "release", f"{arr}_2")
+    assert (r.returncode, r.stdout) == (0, f"job {arr}_2: queued\n")
+    lab.wait_state(ben, one, "done")
+    assert lab.jobs(ben)[after]["state"] == "queued"  # the rest of the array is held
+    r = lab.run(ann, "cancel", f"{arr}_3")
+    assert r.returncode == 0, r.stderr
+    r = lab.run(ann, "release", str(arr))
+    assert (r.returncode, r.stdout) == (0, f"job {arr}: queued (2 of 4 elements)\n")
+    cancelled = lab.wait_state(ben, after, "cancelled")
+    assert cancelled["reason"] == f"after job {arr + 3} cancelled"
+    r = lab.run(ann, "logs", str(arr))
+    assert r.returncode == 2 and "is an array of 4 elements: name one" in r.stderr
+    r = lab.run(ann, "wait", str(arr))
+    assert r.returncode == 1 and f"job {arr}_[3] cancelled" in r.stderr, r.stderr
+
+
+@pytestmark_root
+def test_a_daemon_killed_mid_array_restarts_with_every_element_right_and_a_reload_keeps_them(
+    alab, daemon_factory
+):
+    lab = alab
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann = lab.alice
+    first = lab.submit(ann, "--array", "0-1", "--", "/usr/bin/python3", str(lab.job), "0", "0", lab.marker)
+    lab.run(ann, "wait", str(first))
+    arr = lab.submit(ann, "--array", "0-3", "--", "/usr/bin/python3", str(lab.job), "60", "0", lab.marker)
+    wait_for(lambda: _elements(lab, ann)[f"{arr}_0"]["state"] == "running", 30, "element 0 running")
+    wait_for(lambda: _reports(lab, ann, arr), 20, "element 0's report")
+    d.signal(signal.SIGKILL)
+    d.proc.wait(10)
+    d.start()
+    d.wait_log(rf"queue: job {arr}(: the processes an earlier| was running when gpu-mon stopped)")
+    jobs = wait_for(
+        lambda: (j := _elements(lab, ann))[f"{arr}_0"]["state"] == "running" and j, 30, "element 0 again"
+    )
+    assert jobs[f"{arr}_0"]["restarts"] == 1
+    assert [jobs[f"{arr}_{i}"]["state"] for i in (1, 2, 3)] == ["queued"] * 3
+    assert [jobs[f"{first}_{i}"]["state"] for i in (0, 1)] == ["done"] * 2
+    assert [jobs[f"{arr}_{i}"]["id"] for i in range(4)] == list(range(arr, arr + 4))
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"reloaded ")
+    again = _elements(lab, ann)
+    assert {k: v["state"] for k, v in again.items()} == {k: v["state"] for k, v in jobs.items()}
+    r = lab.run(ann, "cancel", str(arr))
+    assert (r.returncode, r.stdout) == (0, f"job {arr}: cancelled, stopping (4 of 4 elements)\n")
+    wait_for(
+        lambda: all(j["state"] == "cancelled" for j in _elements(lab, ann).values() if j["array_id"] == arr),
+        30,
+        "every element cancelled",
+    )
+
+
+HOOK = """#!/bin/sh
+# a user's hook: what it was given, where and as whom it ran
+{ env; echo "UID=$(id -u)"; echo "CWD=$(pwd)"; } > ".part-$$"
+mv ".part-$$" "hook-$GPU_MON_JOB_ID-$GPU_MON_JOB_STATE.env"  # (whole when it appears)
+echo "hook ran for $GPU_MON_JOB_ID"
+"""
+
+
+def _hook_runs(user) -> Dict[str, Dict[str, str]]:
+    out = {}
+    for path in user.work.glob("hook-*.env"):
+        lines = path.read_text().splitlines()
+        out[path.name[5:-4]] = dict(line.split("=", 1) for line in lines if "=" in line)
+    return out
+
+
+@pytestmark_root
+def test_hooks_run_as_the_user_in_the_jobs_directory_once_per_array_and_a_failure_is_one_line(
+    alab, daemon_factory
+):
+    lab = alab
+    d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann, ben = lab.alice, lab.bob
+    hook = ann.home / ".config" / "gpu-mon" / "notify"
+    hook.parent.mkdir(parents=True)
+    hook.write_text(HOOK)
+    os.chmod(hook, 0o755)
+    for path in (hook.parent.parent, hook.parent, hook):
+        os.chown(path, ann.uid, ann.gid)
+    job = ["--", "/usr/bin/python3", str(lab.job)]
+    single = lab.submit(ann, *job, "0", "3", lab.marker)  # the default hook: failed, exit 3
+    explicit = ann.work / "explicit.sh"
+    explicit.write_text(HOOK.replace("hook-", "explicit-"))
+    os.chmod(explicit, 0o755)
+    arr = lab.submit(ann, "--array", "0-2", "--notify", f"sh {explicit}", *job, "0", "0", lab.marker)
+    each = lab.submit(ann, "--array", "0-1", "--notify-each", *job, "0", "0", lab.marker)
+    bad = lab.submit(ben, "--notify", "echo failing; exit 7", *job, "0", "0", lab.marker)
+    runs = wait_for(lambda: len(r := _hook_runs(ann)) >= 3 and r, 30, "the default hook's three runs")
+    assert sorted(runs) == sorted([f"{single}-failed", f"{each}-done", f"{each + 1}-done"])
+    env = runs[f"{single}-failed"]
+    assert (env["GPU_MON_JOB_EXIT"], env["UID"], env["CWD"]) == ("3", str(ann.uid), str(ann.work))
+    assert env["GPU_MON_JOB_NAME"] == "" and "GPU_MON_ARRAY_ID" not in env and env["GMQ_MARK"] == lab.marker
+    assert runs[f"{each + 1}-done"]["GPU_MON_ARRAY_INDEX"] == "1"
+    log = ann.home / ".local/state/gpu-mon/jobs" / f"{single}.log"
+    wait_for(lambda: f"hook ran for {single}\n" in log.read_text(), 10, "the hook's output in the job's log")
+    # an array without --notify-each: once, when its last element ended
+    wait_for(lambda: list(ann.work.glob("explicit-*.env")), 30, "the array's notice")
+    (notice,) = ann.work.glob("explicit-*.env")
+    env = dict(line.split("=", 1) for line in notice.read_text().splitlines() if "=" in line)
+    assert (env["GPU_MON_ARRAY_ID"], env["GPU_MON_JOB_STATE"]) == (str(arr), "done")
+    assert env["GPU_MON_ARRAY_COUNTS"] == "done=3" and env["GPU_MON_JOB_EXIT"] == "0"
+    # a failing hook: one line in the daemon's log and one in the job's (ben's, as ben)
+    d.wait_log(rf"queue: job {bad}: its hook exited with status 7")
+    ben_log = ben.home / ".local/state/gpu-mon/jobs" / f"{bad}.log"
+    wait_for(lambda: f"gpu-mon: job {bad}: its hook exited with status 7\n" in ben_log.read_text(), 10)
+    assert "failing\n" in ben_log.read_text()
+    assert not _hook_runs(ben)  # ann's default hook is hers alone
+    assert all("notify" not in j for j in lab.jobs(ben).values())  # nobody sees another's hook
