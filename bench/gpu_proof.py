@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Re-measure every GPU claim of the README on a real NVIDIA GPU, in one command.
+"""Re-measure every GPU claim of the docs (docs/measured.md, the guides) on a real NVIDIA GPU, in one go.
 
     sudo python bench/gpu_proof.py [--quick] [--out DIR] [--only NAME,...]
     python bench/gpu_proof.py --plan
     python bench/gpu_proof.py --from-json DIR/proof.json [--format text|markdown|json]
 
-Runs each check (`--plan` lists them with the README claim each is held against) in a subprocess of its own
+Runs each check (`--plan` lists them with the docs' claim each is held against) in a subprocess of its own
 with a time budget: the existing benchmarks (bench/nvml_calls.py, bench/gpu_preempt.py, bench/stress.py,
 with --json) and the tests marked `gpu` (pytest, with a JUnit XML result). Then prints one table: check,
 claim, measured, verdict (holds, differs, failed), under the GPU, driver, CUDA, torch and kernel, and writes
@@ -72,7 +72,7 @@ def plan(checks: List[Check]) -> str:
         command = shlex.join(["python", *c.argv(ctx)[1:]]).replace(str(ROOT) + "/", "")
         lines += [
             f"{number:2}. {c.name}: {c.title} (budget {c.budget[0]} s quick, {c.budget[1]} s full)",
-            f"    README: {c.claim}",
+            f"    docs: {c.claim}",
             f"    holds if: {c.holds_if}",
             f"    runs: {command}",
         ]

@@ -36,7 +36,7 @@ def test_plan_lists_every_check_with_its_readme_claim():
     assert r.returncode == 0, r.stderr
     for number, check in enumerate(checks.CHECKS, 1):
         assert f"{number:2}. {check.name}: " in r.stdout
-        assert f"README: {check.claim}" in r.stdout
+        assert f"docs: {check.claim}" in r.stdout
         assert f"holds if: {check.holds_if}" in r.stdout
     assert "budgets: 19.5 min in all (7.5 min with --quick), plus under 30 s" in r.stdout
 
@@ -128,7 +128,7 @@ def test_from_json_text_and_markdown_carry_the_header_and_every_row():
     assert "utilization left a process running (ended by the proof): 1234 python3" in text
     md = proof("--from-json", str(SYNTHETIC), "--format", "markdown").stdout
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0] == "| check | README claims | measured | verdict |"
+    assert table[0] == "| check | the docs claim | measured | verdict |"
     recorded = {c["name"] for c in json.loads(SYNTHETIC.read_text())["checks"]}
     assert [row.split(" | ")[0] for row in table[1:]] == [
         f"| {c.name}" for c in checks.CHECKS if c.name in recorded

@@ -287,16 +287,20 @@ def test_works_as_a_plain_user(public_dir):
     assert run("status").returncode == 3
 
 
-def test_config_ignore_lists_apply_when_named(occ, sim, tmp_path):
+@pytest.mark.parametrize("named_by", ["--config", "GPU_MON_CONFIG"])
+def test_config_ignore_lists_apply_when_named(occ, sim, tmp_path, named_by):
     from conftest import write_config
 
     conf = write_config(tmp_path / "c.conf", "[gpu-all]\ngpus = ALL\nignore_programs = monitor-x\n")
+    if named_by == "GPU_MON_CONFIG":
+        occ.env["GPU_MON_CONFIG"] = str(conf)
     mon = subprocess.Popen(["bash", "-c", f"exec -a monitor-x sleep 600 < {sim.device(0)}"])
     try:
         wait_for(
             lambda: Path(f"/proc/{mon.pid}/cmdline").read_bytes().startswith(b"monitor-x"), what="monitor"
         )
-        r = occ("--config", str(conf), "on", *FAST, *stand_in(occ, tmp_path / "gpus"))
+        named = ["--config", str(conf)] if named_by == "--config" else []
+        r = occ(*named, "on", *FAST, *stand_in(occ, tmp_path / "gpus"))
         assert r.returncode == 0, r.stderr
         occ.wait_state("occupying")  # the monitor holding GPU 0 is ignored
     finally:

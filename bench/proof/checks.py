@@ -1,4 +1,4 @@
-"""The checks of bench/gpu_proof.py: one table entry each, with the README's claim, what `holds` means, the
+"""The checks of bench/gpu_proof.py: one table entry each, with the docs' claim, what `holds` means, the
 command (an existing benchmark with --json, or GPU-marked tests with a JUnit result), its time budget, and
 how its figures are judged. The judges take only the recorded figures, so a recorded run can be rendered
 and judged again (`--from-json`)."""
@@ -39,7 +39,7 @@ class Check:
 
     name: str
     title: str
-    claim: str  # what the README says, its figure quoted
+    claim: str  # what the docs say, its figure quoted
     holds_if: str  # the bound the figures are judged against
     budget: Tuple[int, int]  # seconds: --quick, full
     argv: Callable[[Context], List[str]]

@@ -1,4 +1,4 @@
-"""A run's record as the table: plain text for the terminal, Markdown for the README, JSON as recorded.
+"""A run's record as the table: plain text for the terminal, Markdown for docs/measured.md, JSON as recorded.
 
 Every verdict is judged again from the recorded figures, so the same record always renders the same table
 and a recorded run can be rendered again later (`--from-json`)."""
@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Tuple
 from proof import openers
 from proof.checks import CHECKS, FAILED, Judged, by_name
 
-HEADERS = ("check", "README claims", "measured", "verdict")
+HEADERS = ("check", "the docs claim", "measured", "verdict")
 WIDTHS = (16, 44, 56, 7)
 
 
@@ -96,7 +96,7 @@ def text(record: Dict[str, Any]) -> str:
 
 
 def markdown(record: Dict[str, Any]) -> str:
-    """The same as a Markdown table, for the README."""
+    """The same as a Markdown table, for docs/measured.md."""
 
     def cell(value: str) -> str:
         return value.replace("|", "\\|").replace("\n", " ")

@@ -96,7 +96,7 @@ def spec_from(args: argparse.Namespace) -> OccupySpec:
     if not args.no_compute and args.compute_min == 0:
         raise base.CliError("occupy: --compute-min 0 computes nothing: use --no-compute for memory only")
     argv = list(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
-    config = base.load_config(args, required=False) if args.config else None  # only when named
+    config = base.load_config(args, required=False) if base.config_path(args)[1] else None  # only when named
     sections = config.gpu_sections if config else ()
     return OccupySpec(
         gpus=_gpu_refs(args.gpus or []),
