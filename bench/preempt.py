@@ -14,7 +14,9 @@ scan every 60 s, [history] recording), the same with history off, the same with 
 textfile) and scraped 20 times a second throughout, the same at an older version (--baseline REF, a git
 ref of this checkout: the baseline measured side by side), and polling only, as the original gpu_mon does
 (every 1 s with a full scan, no events). With --jobs N, also the shipped mode with a [queue] of N jobs
-that cannot start (they wait for a second simulated GPU that a long-lived foreign process keeps busy).
+that cannot start (they wait for a second simulated GPU that a long-lived foreign process keeps busy); with
+--array N, the same with one N-element array queued there by one submit (`submit --array 0-(N-1)`). The
+shipped mode's row, in the same run, is the figure without them.
 Then each daemon's CPU use over --idle-seconds of quiet, with the workload running. With several counts of
 background processes (--procs 1000,5000), every mode runs at each count, and the table gets a column for it.
 
@@ -154,6 +156,7 @@ class Run:
         history: object = None,
         metrics_port: int = 0,
         jobs: int = 0,
+        array: int = 0,
     ):
         self.dir = work / name
         self.dir.mkdir()
@@ -161,7 +164,8 @@ class Run:
         self.device = self.dir / "dev" / "nvidia0"
         self.device.touch()
         gpus = [{"uuid": "GPU-bench-0", "device": "dev/nvidia0"}]
-        if jobs:  # a second GPU, kept busy by someone else: the queue's, where no job can start
+        queued = jobs or array
+        if queued:  # a second GPU, kept busy by someone else: the queue's, where no job can start
             (self.dir / "dev" / "nvidia1").touch()
             gpus.append({"uuid": "GPU-bench-1", "device": "dev/nvidia1"})
         (self.dir / "sim.json").write_text(json.dumps({"gpus": gpus}))
@@ -185,12 +189,14 @@ class Run:
         if metrics_port:
             conf += f"[metrics]\nlisten = {metrics_port}\ntextfile = {self.dir / 'gpu_mon.prom'}\n"
         self.busy = None
-        if jobs:
+        if queued:
             conf = conf.replace("[process-bench]\n", "[process-bench]\ngpus = 0\n")
             conf += (
                 f"[queue]\nsocket = {self.dir / 'queue.sock'}\ndatabase = {self.dir / 'queue.sqlite'}\n"
-                f"gpus = 1\nmax_queued_per_user = {jobs + 1}\n"
+                f"gpus = 1\nmax_queued_per_user = {queued + 1}\n"
             )
+            if array:  # (every index is below max_array_size)
+                conf += f"max_array_size = {array}\n"
             self.busy = subprocess.Popen(  # long-lived, like a notebook's kernel
                 [sys.executable, "-c", OPENER, str(self.dir / "dev" / "nvidia1")],
                 stdin=subprocess.PIPE,
@@ -204,6 +210,8 @@ class Run:
         self.daemon, self.log = start_daemon(self.dir, conf, str(code))
         if jobs:
             self.queue_jobs(jobs)
+        if array:
+            self.queue_array(array)
         self.opener = subprocess.Popen(
             [sys.executable, "-c", OPENER, str(self.device)],
             stdin=subprocess.PIPE,
@@ -213,18 +221,37 @@ class Run:
         )
         self.seen = 0
 
-    def queue_jobs(self, count: int) -> None:
-        """`count` jobs queued (as `gpu-mon submit` sends them), all waiting for the busy GPU."""
+    def queue_socket(self) -> str:
+        """The queue's socket, once the daemon listens on it."""
         sock = str(self.dir / "queue.sock")
         deadline = time.monotonic() + 60
         while not os.path.exists(sock):
             if time.monotonic() > deadline or self.daemon.poll() is not None:
                 raise RuntimeError(f"no queue socket; the daemon's last line: {self.last_log_line()}")
             time.sleep(0.05)
+        return sock
+
+    def queue_jobs(self, count: int) -> None:
+        """`count` jobs queued (as `gpu-mon submit` sends them), all waiting for the busy GPU."""
+        sock = self.queue_socket()
         for i in range(count):
             req = {"op": "submit", "command": ["true", str(i)], "cwd": "/", "env": {"PATH": "/usr/bin:/bin"}}
             if not queue_request(sock, req).get("ok"):
                 raise RuntimeError(f"a submit was refused; the daemon's last line: {self.last_log_line()}")
+
+    def queue_array(self, count: int) -> None:
+        """One array of `count` elements queued by one submit (as `gpu-mon submit --array 0-N` sends it),
+        every element waiting for the busy GPU."""
+        req = {
+            "op": "submit",
+            "command": ["true"],
+            "cwd": "/",
+            "env": {"PATH": "/usr/bin:/bin"},
+            "array": f"0-{count - 1}",
+        }
+        answer = queue_request(self.queue_socket(), req, timeout=60.0)
+        if answer.get("elements") != count:
+            raise RuntimeError(f"the array was refused ({answer.get('error')}); {self.last_log_line()}")
 
     def events(self) -> List[dict]:
         try:
@@ -333,9 +360,14 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--baseline", default="87addb5", help="git ref to measure side by side ('' for none)")
     ap.add_argument("--jobs", type=int, default=0, help="also with a [queue] of N jobs waiting (0: not)")
+    ap.add_argument(
+        "--array", type=int, default=0, metavar="N", help="also with one N-element array queued (0: not)"
+    )
     a = ap.parse_args()
-    if a.trials < 1 or min(a.procs) < 0 or a.idle_seconds <= 0 or a.jobs < 0:
-        ap.error("--trials must be at least 1, --procs and --jobs at least 0, --idle-seconds more than 0")
+    if a.trials < 1 or min(a.procs) < 0 or a.idle_seconds <= 0 or a.jobs < 0 or a.array < 0:
+        ap.error(
+            "--trials must be at least 1, --procs, --jobs and --array at least 0, --idle-seconds more than 0"
+        )
     missing = missing_prerequisites(a)
     if missing:
         print(f"{ap.prog}: cannot start: {'; '.join(missing)}", file=sys.stderr)
@@ -347,6 +379,11 @@ def main() -> int:
         *(
             [(f"the same with {a.jobs} jobs queued (on a second GPU kept busy)", "jobs", {}, ROOT, True)]
             if a.jobs
+            else []
+        ),
+        *(
+            [(f"the same with one {a.array}-element array queued (on the busy GPU)", "array", {}, ROOT, True)]
+            if a.array
             else []
         ),
         ("the same, history and [metrics] on, scraped 20 times a second", "metrics", {}, ROOT, True),
@@ -413,7 +450,8 @@ def run_modes(prog: str, a: argparse.Namespace, work: Path, modes: list) -> Opti
     rows = []
     for label, name, defaults, code, history in modes:
         port = free_port() if name == "metrics" else 0
-        run = Run(work, name, defaults, code, history, port, a.jobs if name == "jobs" else 0)
+        jobs, array = (a.jobs if name == "jobs" else 0), (a.array if name == "array" else 0)
+        run = Run(work, name, defaults, code, history, port, jobs, array)
         scraper = Scraper(port) if port else None
         try:
             samples = []

@@ -7,6 +7,7 @@ is "not installed" is a stand-in on PYTHONPATH whose import fails.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,13 +58,29 @@ def test_every_missing_thing_is_named_in_the_same_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_bad_numbers_are_a_usage_error(tmp_path):
-    r = run_bench(tmp_path, "--trials", "0", "--baseline", "")
+@pytest.mark.parametrize("bad", [["--trials", "0"], ["--array", "-1"]])
+def test_bad_numbers_are_a_usage_error(tmp_path, bad):
+    r = run_bench(tmp_path, *bad, "--baseline", "")
     assert r.returncode == 2
     assert r.stdout == ""
     assert r.stderr.splitlines()[-1].endswith(
-        "--trials must be at least 1, --procs and --jobs at least 0, --idle-seconds more than 0"
+        "--trials must be at least 1, --procs, --jobs and --array at least 0, --idle-seconds more than 0"
     )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the benchmark runs daemons that must see every process")
+def test_an_array_queued_row_beside_the_row_without_it(tmp_path):
+    r = run_bench(tmp_path, "--baseline", "", "--array", "200")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {
+        c[0]: c for c in (re.split(r"\s{2,}", line.strip()) for line in r.stdout.splitlines()) if len(c) == 8
+    }
+    array = "the same with one 200-element array queued (on the busy GPU)"
+    shipped = next(k for k in rows if k.startswith("gpu-mon as shipped"))
+    assert array in rows, r.stdout
+    for label in (shipped, array):
+        trials, term_p50, *_, cpu = rows[label][1:]
+        assert trials == "1" and float(term_p50) > 0 and float(cpu) >= 0, rows[label]
 
 
 # ----- bench/gpu_preempt.py without a GPU: its options and the daemon it would run

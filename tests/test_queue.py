@@ -585,6 +585,7 @@ def test_output_logs_follow_wait_and_no_requeue(lab, daemon_factory, sim):
         "STATE",
         "GPUS",
         "TIME",
+        "END",
         "RESTARTS",
         "NAME",
         "/",

@@ -132,9 +132,11 @@ def test_the_queue_page_names_only_real_commands_and_options() -> None:
     assert {"submit", "jobs", "logs", "cancel", "hold", "release", "occupy"} <= set(commands)
     for command in commands:
         assert model.find(top, (command,)) is not None, command
-    for submit in [o for o in model.find(top, ("submit",)).options if o.flags and o.flags[0] != "-h"]:
-        if submit.flags[0] not in ("--config", "--debug"):
-            assert submit.flags[0] in named, f"the users' page does not explain submit {submit.flags[0]}"
+    for command in ("submit", "cancel"):
+        for option in [o for o in model.find(top, (command,)).options if o.flags and o.flags[0] != "-h"]:
+            flag = option.flags[0]
+            if flag not in ("--config", "--debug"):
+                assert flag in named, f"the users' page does not explain {command} {flag}"
 
 
 def test_help_prints_a_commands_help_a_topic_or_one_line_for_neither() -> None:

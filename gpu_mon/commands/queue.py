@@ -1,4 +1,5 @@
-"""`gpu-mon submit`, `jobs`, `cancel`, `hold`, `release`, `logs`: the queue's front door, run by the user.
+"""`gpu-mon submit`, `jobs`, `cancel`, `hold`, `release`, `logs`, `wait`: the queue's front door, run by the
+user; and the admin's `gpu-mon queue drain|resume`.
 
 Each command is one request over the daemon's socket ([queue] socket); the daemon knows the user from the
 kernel, never from what we send. The job's output file, and its default directory, are made by the job's
@@ -101,9 +102,20 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--json", action="store_true", help="machine-readable output (every element of arrays)")
     p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)")
     for name, what in (("cancel", "cancel your"), ("hold", "hold your"), ("release", "release your held")):
-        p = sub.add_parser(name, help=f"{what} jobs", description=f"{what.capitalize()} jobs.")
+        p = sub.add_parser(
+            name,
+            help=f"{what} jobs",
+            description=f"{what.capitalize()} jobs: those named (17: a job or a whole array; 17_5: one "
+            "element), or every one of yours that --name, --state or --all selects (the daemon picks them, "
+            "in one go, and says how many). Root selects only its own jobs unless --user names another "
+            "user ('*': every user). Exit 1 when nothing matched.",
+        )
         add_common(p, top=False, sim=False)
-        p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
+        p.add_argument("--name", help="your jobs with this name (every element of a named array)")
+        p.add_argument("--state", choices=J.STATES, help="your jobs in this state")
+        p.add_argument("--all", action="store_true", help="all your jobs (that it applies to)")
+        p.add_argument("--user", help="root: select this user's jobs instead ('*': every user's)")
+        p.add_argument("ids", nargs="*", type=_job_id, metavar="ID")
     p = sub.add_parser("logs", help="a job's output", description="Print a job's output file.")
     add_common(p, top=False, sim=False)
     p.add_argument("id", type=_job_id, metavar="ID")
@@ -117,9 +129,18 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     )
     add_common(p, top=False, sim=False)
     p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
+    p = sub.add_parser(
+        "queue",
+        help="the admin's: drain the queue (no job starts) or resume it",
+        description="drain: no queued job starts (running jobs go on), for maintenance; resume: jobs start "
+        "again. Root only (or the daemon's own user); a drain lasts across a restart of the daemon. "
+        "`jobs` and `status` say who drained it, and when.",
+    )
+    add_common(p, top=False, sim=False)
+    p.add_argument("action", choices=("drain", "resume"))
 
 
-COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait")
+COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue")
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -133,6 +154,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "release": _change,
         "logs": _logs,
         "wait": lambda a, s: _wait(s, list(a.ids)),
+        "queue": _drain,
     }[args.command]
     try:
         return handler(args, socket)
@@ -281,17 +303,25 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     if not args.json and not args.all:
         req["limit"] = TABLE_WAITING
     answer = _ask(socket, req)
-    jobs = answer["jobs"]
+    jobs, drained = answer["jobs"], answer.get("drained")
     if args.json:
-        _print_json(jobs)
+        _print_json(jobs, drained)
         return base.EXIT_OK
+    head = []
+    if drained:
+        from gpu_mon.queue import words
+
+        head.append(words.drained(str(drained.get("by")), float(drained.get("at_wall") or 0)))
     if not jobs:
-        print("no jobs")
+        sys.stdout.write("\n".join([*head, "no jobs"]) + "\n")
         return base.EXIT_OK
-    rows = [("ID", "USER", "STATE", "GPUS", "TIME", "RESTARTS", "NAME / COMMAND", "WHY")]
-    rows += [_row(j) for j in jobs]
+    ended = any(j["state"] in J.ENDED for j in jobs)  # (then each line says when it ended)
+    end = ("END",) if ended else ()
+    rows = [("ID", "USER", "STATE", "GPUS", "TIME", *end, "RESTARTS", "NAME / COMMAND", "WHY")]
+    today = time.strftime("%Y-%m-%d")
+    rows += [_row(j, today if ended else None) for j in jobs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    lines = head + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     more = int(answer.get("more") or 0)
     if more:
         lines.append(f"... and {more} more queued or held (gpu-mon jobs --all or --json lists every one)")
@@ -299,17 +329,20 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     return base.EXIT_OK
 
 
-def _print_json(jobs: List[dict]) -> None:
-    """`{"jobs": [...]}`, a job a line. One encoding of the whole list (json's own indenting is slow for a
-    long queue), then a new line before each job: `}, {"id": ` with bare quotes is only ever found between
-    two jobs (inside a string every quote is escaped, and a job holds no other object)."""
+def _print_json(jobs: List[dict], drained: Optional[dict]) -> None:
+    """`{"jobs": [...], "drained": null}`, a job a line. One encoding of the whole list (json's own
+    indenting is slow for a long queue), then a new line before each job: `}, {"id": ` with bare quotes is
+    only ever found between two jobs (inside a string every quote is escaped, and a job holds no other
+    object)."""
     for j in jobs:
         j.pop("gpu_indices", None)
     body = json.dumps(jobs)[1:-1].replace('}, {"id": ', '},\n  {"id": ')
-    sys.stdout.write('{"jobs": [\n  ' + body + "\n]}\n" if jobs else '{"jobs": []}\n')
+    tail = ', "drained": ' + json.dumps(drained) + "}\n"
+    sys.stdout.write('{"jobs": [\n  ' + body + "\n]" + tail if jobs else '{"jobs": []' + tail)
 
 
-def _row(j: dict) -> tuple:
+def _row(j: dict, today: Optional[str] = None) -> tuple:
+    """A line of the table; with `today` (some job listed has ended), the END column too."""
     from gpu_mon.engine import words  # (only for the table: `--json` and the other commands do without)
     from gpu_mon.queue.listing import elapsed
 
@@ -330,13 +363,36 @@ def _row(j: dict) -> tuple:
         j["state"],
         gpus,
         ran,
+        *((_end(j.get("ended"), today),) if today is not None else ()),
         str(j["restarts"]),
         sanitize(what, limit=40),
         sanitize(why),
     )
 
 
+def _end(ended: Optional[str], today: str) -> str:
+    """When a job ended, from its ISO time: `14:02:11` today, `11-24 14:02` another day; `-` not ended."""
+    if not ended:
+        return "-"
+    return ended[11:19] if ended[:10] == today else f"{ended[5:10]} {ended[11:16]}"
+
+
+_DONE = {"cancel": "cancelled", "hold": "held", "release": "released"}
+
+
 def _change(args: argparse.Namespace, socket: str) -> int:
+    select = {
+        k: v for k, v in (("name", args.name), ("state", args.state), ("user", args.user)) if v is not None
+    }
+    if args.all:
+        select["all"] = True
+    if args.ids and select:
+        raise CliError(f"{args.command}: give job IDs or a selection (--name, --state, --all), not both")
+    if not args.ids and not (set(select) - {"user"}):
+        what = "--name, --state or --all" + (" (--user only narrows them)" if args.user else "")
+        raise CliError(f"{args.command}: name the jobs: IDs, or {what}")
+    if select:
+        return _change_selected(args.command, socket, select)
     answer = _ask(socket, {"op": args.command, "ids": args.ids})
     code = base.EXIT_OK
     for r in answer["results"]:
@@ -348,6 +404,29 @@ def _change(args: argparse.Namespace, socket: str) -> int:
             print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
             code = base.EXIT_FAILURE
     return code
+
+
+def _change_selected(command: str, socket: str, select: dict) -> int:
+    """`cancelled 12 jobs (3 running: stopping)`: the daemon picks the jobs and says how many."""
+    answer = _ask(socket, {"op": command, "select": select})
+    count, stopping = int(answer["count"]), int(answer.get("stopping") or 0)
+    more = f" ({stopping} running: stopping)" if stopping else ""
+    print(f"{_DONE[command]} {count} job{'s' if count != 1 else ''}{more}")
+    return base.EXIT_OK
+
+
+def _drain(args: argparse.Namespace, socket: str) -> int:
+    """`gpu-mon queue drain` / `resume`: one line saying what the queue is now."""
+    from gpu_mon.queue import words
+
+    answer = _ask(socket, {"op": "queue", "action": args.action})
+    drained = answer.get("drained")
+    if drained:
+        line = words.drained(str(drained.get("by")), float(drained.get("at_wall") or 0))
+        print(line if answer.get("changed") else f"already {line.removeprefix('queue ')}")
+    else:
+        print("queue resumed: jobs start again" if answer.get("changed") else "queue is not drained")
+    return base.EXIT_OK
 
 
 def _me() -> str:

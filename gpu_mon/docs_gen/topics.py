@@ -134,7 +134,8 @@ QUEUE = Topic(
     "",
     "Queue your own jobs to run on GPUs nobody else uses: `gpu-mon submit -- CMD`, then `jobs`, `logs ID`, "
     "`cancel ID`, `hold ID`, `release ID`. A job yields when someone else needs its GPU: it gets its stop "
-    "signal (`--stop-signal USR1` to checkpoint), SIGKILL after the grace, and goes back to the queue.",
+    "signal (`--stop-signal USR1` to checkpoint), SIGKILL after the grace, and goes back to the queue. "
+    "The admin's `gpu-mon queue drain` stops new starts for maintenance (`gpu-mon queue --help`).",
     (),
     "man gpu-mon-queue",
 )

@@ -132,6 +132,10 @@ class Queue:
         self.pruner.start()
         queued = sum(1 for j in self.store.all() if j.state == J.QUEUED)
         log.info("queue: listening on %s; %d job(s) queued (%s)", self.q.socket, queued, self.q.database)
+        drained = self.store.drained
+        if drained is not None:  # (`gpu-mon queue drain` lasts across restarts)
+            at = time.strftime("%Y-%m-%d %H:%M", time.localtime(drained.at))
+            log.info("queue: drained by %s at %s: no job starts until `gpu-mon queue resume`", drained.by, at)
         if self.systemd:
             bound = f", stopped with {self.bind_to}" if self.bind_to else ""
             log.info("queue: jobs run as transient units in %s%s", transient.SLICE, bound)
@@ -285,7 +289,8 @@ class Queue:
         if force or inputs != self.placed_on:
             self.force_place = False
             known = self.store.all()
-            self.plan = placement.place(known, views, self.q, self.delay, now, wall)
+            drained = self.store.drained is not None
+            self.plan = placement.place(known, views, self.q, self.delay, now, wall, drained)
             self.placed_on = inputs
             self.placed_at = now
             self._dependencies(self.plan, wall)
@@ -302,7 +307,9 @@ class Queue:
         """For the outputs: the jobs in each state, the runs going on, and those that began or ended
         since the last report."""
         self._runs_seen()
-        return self.runs.take()
+        drained = self.store.drained
+        report = self.runs.take()
+        return report if drained is None else dataclasses.replace(report, drained=(drained.by, drained.at))
 
     def _runs_seen(self) -> None:
         version = self.store.version

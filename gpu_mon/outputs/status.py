@@ -15,6 +15,7 @@ from gpu_mon.engine.decisions import Decision, Instance
 from gpu_mon.engine.idleholders import IdleHolder
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.engine.policy import Plan, ignored
+from gpu_mon.queue import words as queue_words
 from gpu_mon.queue.runs import JobRun, QueueReport
 from gpu_mon.slurm.view import SlurmReport
 
@@ -115,6 +116,8 @@ def with_queue(doc: dict, queue: QueueReport) -> dict:
     for g in doc["gpus"]:
         g["job"] = on.get(g.get("uuid") or "")
     doc["queue"] = {"jobs": dict(queue.counts), "running": [_job(r) for r in queue.running]}
+    if queue.drained is not None:
+        doc["queue"]["drained"] = {"by": queue.drained[0], "at_wall": round(queue.drained[1])}
     return doc
 
 
@@ -394,11 +397,16 @@ def job_words(job: dict, now: float) -> str:
 
 
 def queue_line(queue: dict) -> str:
-    """`Queue: 3 running, 12 queued, 2 held (gpu-mon jobs lists them)`."""
+    """`Queue: 3 running, 12 queued, 2 held (gpu-mon jobs lists them)`, and the drain's line when the
+    admin drained the queue."""
     n = queue.get("jobs") or {}
     shown = [s for s in ("running", "stopping", "queued", "held") if n.get(s) or s != "stopping"]
     parts = [f"{n.get(s, 0)} {s}" for s in shown]
-    return f"Queue: {', '.join(parts)} (gpu-mon jobs lists them)"
+    line = f"Queue: {', '.join(parts)} (gpu-mon jobs lists them)"
+    drained = queue.get("drained")
+    if not drained:
+        return line
+    return f"{line}\n{queue_words.drained(str(drained.get('by')), drained.get('at_wall') or 0)}"
 
 
 def with_idle_seconds(doc: dict, now: float) -> dict:

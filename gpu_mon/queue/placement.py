@@ -83,7 +83,8 @@ class Waiting:
     gpu_limit (count, limit), array_limit (count: the array's elements running, limit: its %N), ahead
     (count), start_delay (until: wall-clock, as the jobs' times are),
     too_many_gpus (count: the queue's GPUs), over_job_limit / over_user_limit (count: GPUs wanted, limit:
-    GPUs per job or per user; it can never start under these limits)."""
+    GPUs per job or per user; it can never start under these limits), drained (the admin drained the
+    queue: no job starts)."""
 
     kind: str
     gpu: str = ""
@@ -335,9 +336,11 @@ def place(
     start_delay: float,
     now: float,
     wall: float,
+    drained: bool = False,
 ) -> Placement:
     """Decide the queue's round. `now` is the monotonic time of the GPUs' views (free_since), `wall` the
-    wall-clock time of the jobs' times. Pure: inputs are not changed."""
+    wall-clock time of the jobs' times; `drained`: no job starts (nor claims a GPU), running ones go on.
+    Pure: inputs are not changed."""
     by_id = {j.id: j for j in jobs}
     views = {g.uuid: g for g in gpus}
     out: dict = {"preempt": [], "time_up": [], "wakes": []}
@@ -365,6 +368,9 @@ def place(
             waiting[j.id] = wait
         elif j.state == J.QUEUED:
             cands.append(j)
+    if drained:
+        waiting.update((j.id, Waiting("drained")) for j in cands)
+        cands = []
     for j in _order(cands, users, q.order == "fair"):
         wait = placer.place(j)
         if wait is not None:

@@ -1,7 +1,8 @@
-"""What the queue socket's requests do: submit, jobs, cancel, hold, release, logs-path.
+"""What the queue socket's requests do: submit, jobs, cancel, hold, release, logs-path, queue (drain).
 
 The user is whoever the kernel says is on the other end (`Peer`, from SO_PEERCRED), never what the
-request says. Every refusal is one line for that client (`{"ok": false, "error": ..., "code": 1|2}`:
+request says: a selection (`cancel --all`) is resolved here, among the jobs that user may change. Every
+refusal is one line for that client (`{"ok": false, "error": ..., "code": 1|2}`:
 1 not allowed or over a limit, 2 bad usage).
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import json
+import logging
 import os
 import pwd
 import signal
@@ -25,9 +28,11 @@ from gpu_mon.queue.listing import Listing, iso, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, Encoded
 from gpu_mon.queue.runs import how_it_ended
-from gpu_mon.queue.store import Refused, Store
+from gpu_mon.queue.store import Drained, Refused, Store
 from gpu_mon.queue.words import refusal
 from gpu_mon.queue.words import waiting as waiting_words
+
+log = logging.getLogger("gpu_mon")
 
 MAX_COMMAND = 64 * 1024
 MAX_ENV = 256 * 1024
@@ -91,6 +96,7 @@ class Requests:
             "release": self._release,
             "logs-path": self._logs_path,
             "ids": self._ids,
+            "queue": self._queue,
         }.get(op if isinstance(op, str) else "")
         if handler is None:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
@@ -290,7 +296,8 @@ class Requests:
             parts.append(encoded)
         if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
             self.listing.keep_only(self.store.jobs)
-        return Encoded(b'{"ok":true,"jobs":[%s],"more":%d}' % (b",".join(parts), more))
+        drained = _drained_json(self.store.drained).encode()
+        return Encoded(b'{"ok":true,"jobs":[%s],"more":%d,"drained":%s}' % (b",".join(parts), more, drained))
 
     def _ids(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
         """`{"ok": true, "ids": [...]}`: the asking user's own jobs (root's too: only its own), in these
@@ -334,6 +341,8 @@ class Requests:
         return found[0]
 
     def _each(self, peer: Peer, user: pwd.struct_passwd, req: dict, change: Callable[[Job], Job]) -> dict:
+        if req.get("select") is not None:
+            return self._selected(peer, user, req, change)
         ids = req.get("ids")
         if not isinstance(ids, list) or not ids or len(ids) > 10000:
             raise Bad("no job ids given")
@@ -369,6 +378,85 @@ class Requests:
             raise Bad(f"array {_ref_text(ref)}: nothing to change (its {len(found)} elements: {states})", 1)
         states = sorted({j.state for j in changed})
         return {"id": ref, "ok": True, "state": ", ".join(states), "count": len(changed), "of": len(found)}
+
+    def _selected(self, peer: Peer, user: pwd.struct_passwd, req: dict, change: Callable[[Job], Job]) -> dict:
+        """`cancel --name NAME`, `--state STATE`, `--all` (root: `--user USER`): every job of one user that
+        the selection names and the change applies to, in one transaction; how many."""
+        op, sel = str(req.get("op")), req["select"]
+        if not isinstance(sel, dict):
+            raise Bad("select must be an object")
+        name, state = sel.get("name"), sel.get("state")
+        if name is not None and (not isinstance(name, str) or len(name) > 1000):
+            raise Bad("--name must be text")
+        if state is not None and state not in J.STATES:
+            raise Bad(f"--state {sanitize(str(state))[:20]!r} is not a job state")
+        if name is None and state is None and sel.get("all") is not True:
+            raise Bad(f"{op}: name jobs: IDs, or --name, --state or --all")
+        whose, owned = self._owner(peer, user, sel.get("user"), op)
+
+        def matches(j: Job) -> bool:
+            return owned(j) and (name is None or j.name == name) and (state is None or j.state == state)
+
+        def edit(job: Job) -> Optional[Job]:  # (again in the transaction: a job may have changed since)
+            if not matches(job):
+                return None
+            try:
+                return change(job)
+            except Bad:
+                return None
+
+        found = [j for j in self.store.all() if matches(j)]
+        changed = [j for j in self.store.change_many((j.id, edit) for j in found) if j is not None]
+        flags = [f"--name {sanitize(name)[:MAX_NAME]!r}"] if name is not None else []
+        flags += [f"--state {state}"] if state is not None else []
+        what = " ".join(flags) or "--all"
+        if not found:
+            raise Bad(f"{op}: no job of {whose} matches {what}", 1)
+        if not changed:
+            states = ", ".join(sorted({j.state for j in found}))
+            n = len(found)
+            raise Bad(
+                f"{op}: {n} job{'s' if n != 1 else ''} of {whose} match {what} ({states}): none to {op}", 1
+            )
+        self.changed()
+        stopping = sum(1 for j in changed if j.state == J.STOPPING)
+        return {"count": len(changed), "stopping": stopping, "matched": len(found)}
+
+    def _owner(
+        self, peer: Peer, user: pwd.struct_passwd, who: object, op: str
+    ) -> Tuple[str, Callable[[Job], bool]]:
+        """Whose jobs a selection is among, in words, and the test: the asker's own; root's `--user NAME`,
+        that user's; root's `--user '*'`, everyone's (only ever asked for by name: a root without
+        `--user` selects only its own jobs)."""
+        if who is None or who == user.pw_name:
+            return "yours", lambda j: j.uid == peer.uid
+        if not isinstance(who, str) or not who or len(who) > 256:
+            raise Bad("--user must be a user name")
+        if not _admin(peer):
+            raise Bad(f"{op}: only root may select another user's jobs (--user {sanitize(who)[:40]})", 1)
+        if who == "*":
+            return "any user", lambda j: True
+        return f"{sanitize(who)[:40]}'s", lambda j: j.user == who
+
+    def _queue(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`gpu-mon queue drain` (no job starts; running ones go on) and `resume`: root's (or the daemon's
+        own user's); kept in the database, so a restarted daemon stays drained."""
+        action = req.get("action")
+        if action not in ("drain", "resume"):
+            raise Bad(f"queue: {sanitize(str(action))[:20]!r} is not drain or resume")
+        if not _admin(peer):
+            raise Bad(f"queue {action}: only root may drain or resume the queue", 1)
+        before = self.store.drained
+        if action == "drain" and before is None:
+            self.store.drain(Drained(user.pw_name, time.time()))
+            log.info("queue: drained by %s: no job starts until `gpu-mon queue resume`", user.pw_name)
+        elif action == "resume" and before is not None:
+            self.store.drain(None)
+            log.info("queue: resumed by %s: jobs start again", user.pw_name)
+        else:
+            return {"changed": False, "drained": _drained_dict(before)}
+        self.changed()
+        return {"changed": True, "drained": _drained_dict(self.store.drained)}
 
     def _cancel(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         who = user.pw_name
@@ -407,6 +495,20 @@ class Requests:
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))
         return {"path": output_of(job), "state": job.state}
+
+
+def _admin(peer: Peer) -> bool:
+    """Root, or the user the daemon runs as."""
+    return peer.uid in (0, os.geteuid())
+
+
+def _drained_dict(drained: Optional[Drained]) -> Optional[dict]:
+    return None if drained is None else {"by": drained.by, "at_wall": round(drained.at)}
+
+
+def _drained_json(drained: Optional[Drained]) -> str:
+    """The `drained` of a `jobs` answer: null, or who drained the queue and when."""
+    return json.dumps(_drained_dict(drained), separators=(",", ":"))
 
 
 def output_of(job: Job) -> str:

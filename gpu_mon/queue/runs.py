@@ -49,6 +49,7 @@ class QueueReport:
     running: Tuple[JobRun, ...]  # the runs going on now (running or stopping), by job id
     started: Tuple[JobRun, ...] = ()  # since the last report
     ended: Tuple[JobRun, ...] = ()
+    drained: Optional[Tuple[str, float]] = None  # `gpu-mon queue drain`: by whom, when (wall); None: not
 
 
 def label(job: Job) -> str:

@@ -1,7 +1,8 @@
 """The queue's database: an embedded SQLite file (WAL, synchronous=FULL: a write is on disk when it returns)
 and an in-memory copy of every job that reads use. Every change is committed before it is acknowledged.
 
-One table, `jobs`: the columns reads would filter on (user, state, times) and the whole job as JSON. The
+One table, `jobs`: the columns reads would filter on (user, state, times) and the whole job as JSON; and
+`queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when). The
 file carries its own application id and schema version; a damaged or foreign file is moved aside (one log
 line) and a new one started. Thread-safe: the socket server and the daemon's loop both write.
 """
@@ -12,6 +13,7 @@ import dataclasses
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from gpu_mon.api import historydb
@@ -30,11 +32,22 @@ CREATE TABLE jobs (
 CREATE INDEX jobs_by_state ON jobs (state);
 CREATE INDEX jobs_by_user_state ON jobs (user, state);
 """
+# Added to schema 1 without a new version: an older gpu-mon ignores a table it does not know (a new version
+# would make it move the whole queue aside), and this one makes the table where it is missing.
+_QUEUE_STATE = "CREATE TABLE IF NOT EXISTS queue_state (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
 _TUPLES = ("command", "after", "gpus", "after_arrays", "notify")
 
 
 class NotOurs(Exception):
     """The file is not a usable gpu-mon queue; str() says how."""
+
+
+@dataclass(frozen=True)
+class Drained:
+    """The queue is drained (`gpu-mon queue drain`): no job starts; by whom (a user name), when (wall)."""
+
+    by: str
+    at: float
 
 
 class Refused(Exception):
@@ -80,6 +93,20 @@ def _migrate(conn) -> None:
         raise NotOurs(f"written by a newer gpu-mon (schema {current}; this one knows {SCHEMA_VERSION})")
     if current == 0:
         conn.executescript(f"BEGIN; {_SCHEMA_V1} INSERT INTO schema_version VALUES (1); COMMIT;")
+    conn.execute(_QUEUE_STATE)
+
+
+def _drained(conn) -> Optional[Drained]:
+    """The drain an earlier daemon left, or None. A value that cannot be read still drains (by `?`): an
+    admin asked for no starts, and starting jobs on a guess would not be what they asked."""
+    row = conn.execute("SELECT value FROM queue_state WHERE key = 'drained'").fetchone()
+    if row is None:
+        return None
+    try:
+        data = json.loads(row[0])
+        return Drained(str(data["by"]), float(data["at"]))
+    except (ValueError, TypeError, KeyError):
+        return Drained("?", 0.0)
 
 
 class Store:
@@ -100,6 +127,7 @@ class Store:
             self._tally(job, 1)
             if job.array_id:
                 self.arrays.setdefault(job.array_id, {})[job.array_index] = job_id
+        self.drained = _drained(conn)
 
     def _tally(self, job: Job, sign: int) -> None:
         if job.state not in J.ENDED:
@@ -154,6 +182,17 @@ class Store:
             return self._unfinished.get(user, 0)
 
     # ------------------------------------------------------------------ writes (committed before they return)
+
+    def drain(self, drained: Optional[Drained]) -> None:
+        """Drain the queue (no job starts) or, with None, resume it; on disk before it returns."""
+        with self.lock:
+            if drained is None:
+                self.conn.execute("DELETE FROM queue_state WHERE key = 'drained'")
+            else:
+                value = json.dumps({"by": drained.by, "at": drained.at})
+                self.conn.execute("INSERT OR REPLACE INTO queue_state VALUES ('drained', ?)", (value,))
+            self.drained = drained
+            self.version += 1
 
     def submit(self, job: Job, max_unfinished: int) -> Tuple[Job, int]:
         """Add a job (its id is given here); return it and how many queued jobs are ahead of it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Dict
 
 from gpu_mon.api.text import sanitize
@@ -39,6 +40,8 @@ def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
     if w.kind in ("taken", "taken_for"):
         doing = "stopping" if w.kind == "taken_for" else "taken by"
         return f"{_gpu(w.gpu, index_of)} {doing} workload {sanitize(w.by_workload)}"
+    if w.kind == "drained":
+        return "queue drained"
     if w.kind == "too_many_gpus":
         return f"wants more GPUs than the queue has ({w.count})"
     if w.kind in ("over_job_limit", "over_user_limit"):
@@ -60,3 +63,11 @@ def refusal(w: Waiting, wanted: int) -> str:
         gpus = f"{w.count} GPU{'s' if w.count != 1 else ''}"
         return f"--gpus {wanted}: the queue has {gpus}; the job could never start"
     return f"--gpus {wanted} is over the limit of {w.limit} per {w.kind.split('_')[1]}"
+
+
+def drained(by: str, at: float) -> str:
+    """`queue drained by root at 14:02: no job starts (gpu-mon queue resume)`, for `jobs` and `status` (a
+    drain from before today: `at 2026-11-24 14:02`)."""
+    today = time.strftime("%Y-%m-%d") == time.strftime("%Y-%m-%d", time.localtime(at))
+    clock = time.strftime("%H:%M" if today else "%Y-%m-%d %H:%M", time.localtime(at))
+    return f"queue drained by {sanitize(by)} at {clock}: no job starts (gpu-mon queue resume)"
