@@ -160,3 +160,53 @@ def test_the_stop_signal_reaches_the_group_or_with_main_only_the_main_process_al
     # USR1 to the main process (alone, or with its group); SIGTERM at the grace's end to every process
     child = ["SIGTERM"] if main_only else ["SIGUSR1", "SIGTERM"]
     assert got == {"main": ["SIGUSR1", "SIGTERM"], "child": child}
+
+
+CHECKPOINT = r"""
+import os, signal, sys, time
+tag = sys.argv[1]
+
+def record(who, signum):
+    with open(f"{tag}-{who}", "a") as f:
+        f.write(signal.Signals(signum).name + "\n")
+
+def main_stop(signum, frame):
+    record("main", signum)
+    if signum == signal.SIGTERM and not os.path.exists(f"{tag}-saving"):
+        open(f"{tag}-saving", "w").close()
+        time.sleep(0.8)  # a checkpoint being written: another SIGTERM now would come in here
+        open(f"{tag}-saved", "w").close()
+        sys.exit(143)
+
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, lambda s, f: (record("child", s), os._exit(0)))
+    while True:
+        time.sleep(0.05)
+signal.signal(signal.SIGTERM, main_stop)
+open(f"{tag}-ready", "w").close()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_job_stopped_with_sigterm_gets_it_once_and_its_clean_exit_is_not_a_signal(
+    lab: Lab,  # noqa: F811
+    daemon_factory,
+):
+    """The daemon sends SIGTERM to the job's process group; the leader passes it on only to processes that
+    left the group. Twice, a handler that checkpoints was entered again, and a Python command exiting from
+    its handler died of the second (SIG_DFL again while it finalizes): `killed by signal 15`."""
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    script = lab.dir / "checkpoint.py"
+    script.write_text(CHECKPOINT)
+    os.chmod(script, 0o755)
+    job_id = lab.submit(lab.alice, "--grace", "10", "--", PY, str(script), "ckp", lab.marker)
+    work = lab.alice.work
+    wait_for(lambda: (work / "ckp-ready").exists(), 20, "the job's handler")
+    assert lab.run(lab.alice, "cancel", str(job_id)).returncode == 0
+    job = lab.wait_state(lab.alice, job_id, "cancelled")
+    got = {who: (work / f"ckp-{who}").read_text().split() for who in ("main", "child")}
+    assert got == {"main": ["SIGTERM"], "child": ["SIGTERM"]}
+    assert (work / "ckp-saved").exists()
+    assert (job["exit_status"], job["signal"]) == (143, None)

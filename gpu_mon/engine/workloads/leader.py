@@ -76,6 +76,7 @@ class Leader:
         self.stop_timeout: float = float(spec["stop_timeout_seconds"])
         self.stop_signal = int(spec.get("stop_signal", signal.SIGTERM))
         self.main_only = bool(spec.get("stop_main_only"))
+        self.daemon_pid = int(spec.get("daemon_pid", 0))
         self.main_signalled = False  # the stop signal went to the main process (MAIN_STOP)
         self.note_fd: Optional[int] = None  # the command's stderr until it redirects it (`note_stderr`)
         self.term_pending = False  # the stop signal was not SIGTERM: SIGTERM comes when its grace is over
@@ -140,9 +141,13 @@ class Leader:
                 os.killpg(os.getpid(), self.stop_signal)  # (blocked here: the command's, only)
         return None
 
-    def begin_stop(self, daemon_alive: bool = True) -> None:
+    def begin_stop(self, daemon_alive: bool = True, group_told: bool = False) -> None:
         """SIGTERM, then SIGCONT (a stopped process must wake to see it), to every descendant; or, when the
-        daemon has died and the workload has a stop signal of its own, that signal to the group first."""
+        daemon has died and the workload has a stop signal of its own, that signal to the group first.
+        group_told: the daemon sent the SIGTERM to the whole process group (the leader got it as one of
+        the group), so only descendants that left the group get it from here: a second SIGTERM can cut a
+        checkpoint short, and one that lands while a Python command is exiting from its handler of the
+        first kills it (Python restores SIG_DFL as it finalizes), so a clean `exit 143` became a death."""
         if not daemon_alive and self.unit_bound:
             # systemd stops the unit with the daemon's own (its stop orders the daemon's restart after the
             # unit's end); a stop from here first would make that an end of the unit's own, not ordered.
@@ -167,7 +172,7 @@ class Leader:
                 return
         elif not daemon_alive:
             return  # told again (the kernel signals once per dying thread of the daemon): nothing new
-        self.term_all()
+        self.term_all(outside_group=group_told)
 
     def signal_main(self) -> None:
         """The stop signal (and SIGCONT) to the main process alone, once; not after it has ended."""
@@ -178,15 +183,17 @@ class Leader:
             os.kill(self.child.pid, self.stop_signal)
             os.kill(self.child.pid, signal.SIGCONT)
 
-    def term_all(self) -> None:
-        """SIGTERM and SIGCONT to every descendant (a unit's: every process in its group)."""
+    def term_all(self, outside_group: bool = False) -> None:
+        """SIGTERM and SIGCONT to every descendant (a unit's: every process in its group); outside_group:
+        only to those no longer in the leader's process group."""
         if self.unit:
             cgroups.signal_all(self.unit, signal.SIGTERM)
             cgroups.signal_all(self.unit, signal.SIGCONT)
             return
         me = os.getpid()
-        linux.kill_tree(me, signal.SIGTERM)
-        linux.kill_tree(me, signal.SIGCONT)
+        told = me if outside_group else None
+        linux.kill_tree(me, signal.SIGTERM, told_group=told)
+        linux.kill_tree(me, signal.SIGCONT, told_group=told)
 
     def overdue(self) -> None:
         """The deadline has passed: SIGTERM after a stop signal's grace, else SIGKILL (again every 0.2 s)."""
@@ -266,7 +273,9 @@ class Leader:
             if info is not None and info.si_signo == MAIN_STOP:
                 self.signal_main()
             elif info is not None and info.si_signo != signal.SIGCHLD:
-                self.begin_stop(daemon_alive=info.si_signo != DAEMON_GONE)
+                # (the daemon's SIGTERM always goes to the whole group: supervisor.py's _killpg)
+                from_daemon = info.si_signo == signal.SIGTERM and info.si_pid == self.daemon_pid
+                self.begin_stop(daemon_alive=info.si_signo != DAEMON_GONE, group_told=from_daemon)
         return _exit_code(self.main_status)
 
 

@@ -52,13 +52,25 @@ def signal_pid(pid: int, start_ticks: Optional[int], sig: int) -> bool:
         os.close(fd)
 
 
-def kill_tree(root: int, sig: int, skip: Iterable[int] = (), proc: str = procfs.PROC) -> int:
-    """Send `sig` to every descendant of `root` (outside the subtrees of `skip`); return how many."""
+def kill_tree(
+    root: int, sig: int, skip: Iterable[int] = (), proc: str = procfs.PROC, told_group: Optional[int] = None
+) -> int:
+    """Send `sig` to every descendant of `root` (outside the subtrees of `skip`, and not to those still in
+    process group `told_group`, which had it already); return how many."""
     count = 0
     for pid, start in procfs.descendants(root, proc, skip=set(skip)).items():
+        if told_group is not None and _group_of(pid) == told_group:
+            continue
         if signal_pid(pid, start, sig):
             count += 1
     return count
+
+
+def _group_of(pid: int) -> Optional[int]:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def kill_until_gone(
