@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 import slurmcluster  # noqa: E402
-from background import median, percentile, start_daemon, table  # noqa: E402
+from background import Background, median, percentile, start_daemon, table  # noqa: E402
 
 SHIM = r"""
 #include <stdio.h>
@@ -228,6 +228,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=20, help="trials of each (default 20)")
     p.add_argument(
+        "--background", type=int, default=0, help="this many idle processes beside (default 0)", metavar="N"
+    )
+    p.add_argument(
+        "--proctrack",
+        default="linuxproc",
+        choices=("linuxproc", "pgid"),
+        help="Slurm's ProctrackType (default linuxproc: it reads all of /proc to signal a job)",
+    )
+    p.add_argument(
         "--nodes", type=int, default=1, choices=(1, 2), help="Slurm nodes on this host (default 1)"
     )
     a = p.parse_args()
@@ -239,16 +248,22 @@ def main() -> int:
         work = Path(tmp)
         os.chmod(work, 0o755)
         if a.nodes == 2:
-            cluster = slurmcluster.SlurmCluster(work / "slurm", gpus=1, nodes=("nodea", "nodeb"))
+            cluster = slurmcluster.SlurmCluster(work / "slurm", 1, ("nodea", "nodeb"), a.proctrack)
         else:
-            cluster = slurmcluster.SlurmCluster(work / "slurm")
+            cluster = slurmcluster.SlurmCluster(work / "slurm", proctrack=a.proctrack)
+        load = Background(a.background) if a.background else None
         try:
             cluster.start()
             ours = gpu_mon_trials(cluster, work, a.trials)
             theirs = slurm_trials(cluster, work, a.trials)
         finally:
             left = cluster.close()
-    print(f"{a.trials} trials each; ms, p50 / p99 / max; {os.cpu_count()} CPUs; {a.nodes} node(s)")
+            if load is not None:
+                load.close()
+    print(
+        f"{a.trials} trials each; ms, p50 / p99 / max; {os.cpu_count()} CPUs; {a.nodes} node(s); "
+        f"{a.background} background processes; proctrack/{a.proctrack}"
+    )
     heads = ("who stops the scavenger job", "trigger", "-> action issued", "-> job's processes signalled")
     mine = ["gpu-mon + scontrol requeue", "a process outside Slurm opens its GPU"]
     mine += [fmt([r[0] for r in ours]), fmt([r[1] for r in ours])]
