@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Counter, Dict, List, Mapping, Optional, Tuple
 
@@ -403,9 +404,16 @@ class Slurm:
         self.control.close()
 
     def _give_back(self, o: O.Owed) -> bool:
-        """This node off the job's excluded nodes, now; whether nothing is owed any more."""
-        code, text = C.ask([self.rule.scontrol, "show", "job", "-o", str(o.job)], self.rule.timeout_seconds)
-        state, exc = _state(text if code == 0 else "")
+        """This node off the job's excluded nodes, now; whether nothing is owed any more. A job still ending
+        (COMPLETING: Slurm would not take the change) is waited for, up to timeout_seconds."""
+        end = self.clock() + self.rule.timeout_seconds
+        while True:
+            argv = [self.rule.scontrol, "show", "job", "-o", str(o.job)]
+            code, text = C.ask(argv, self.rule.timeout_seconds)
+            state, exc = _state(text if code == 0 else "")
+            if state != "COMPLETING" or self.clock() >= end:
+                break
+            time.sleep(PEEK_SECONDS)
         if (
             (code != 0 and C.classify(code, text) == C.GONE)
             or state in _ENDED
@@ -413,11 +421,15 @@ class Slurm:
         ):
             return True
         if state != "PENDING":  # (Slurm changes the excluded nodes of pending jobs only)
-            why = f"cannot read it: {text}" if code else f"{state.lower()} elsewhere"
+            why = f"cannot read it: {text}" if code else "running elsewhere" if state == "RUNNING" else state
             log.info("slurm: job %d: %s; it stays off %s until gpu-mon starts again", o.job, why, o.node)
             return False
         argv = [self.rule.scontrol, "update", f"JobId={o.job}", f"ExcNodeList={_without(exc, o)}"]
         code, text = C.ask(argv, self.rule.timeout_seconds)
+        if code == 0 and o.job in self.peeks:  # (not yet made eligible: Slurm's begin time is minutes away)
+            C.ask(
+                [self.rule.scontrol, "update", f"JobId={o.job}", "StartTime=now"], self.rule.timeout_seconds
+            )
         if code == 0:
             log.info("slurm: job %d may use this node again", o.job)
         elif C.classify(code, text) != C.GONE:
@@ -524,6 +536,7 @@ class Slurm:
         for job, o in sorted(self.owed.items()):
             lift_at = o.lift_at or wall + self.rule.avoid_node_seconds
             self.lifts[job] = now + max(0.0, lift_at - wall)
+            self.peeks[job] = (now, now, now + PEEK_FOR)  # (pending: eligible at once)
             if not o.released:
                 log.info(
                     "slurm: job %d was held by a gpu-mon that stopped before it released it: releasing it",
