@@ -38,6 +38,10 @@ def term(*_):
     say("term", os.environ.get("SLURM_JOB_ID"))
     os._exit(0)
 signal.signal(signal.SIGTERM, term)
+if "=" in dev:  # several nodes: "nodea=/path,nodeb=/path", this one's by SLURMD_NODENAME
+    node = os.environ.get("SLURMD_NODENAME", "")
+    dev = dict(item.split("=", 1) for item in dev.split(","))[node]
+    say("node", os.environ.get("SLURM_JOB_ID"), node)
 fd = os.open(dev, os.O_RDWR)
 say("start", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT", "0"))
 while True:
@@ -96,11 +100,32 @@ def free_port() -> int:
 
 class SlurmCluster:
     """munged + slurmctld + slurmd on localhost; partitions `scavenger` (preemptible, PreemptMode=REQUEUE,
-    low PriorityTier) and `normal`; one GRES gpu per device node in `devices`."""
+    low PriorityTier) and `normal`; one GRES gpu per device node in `devices`.
 
-    def __init__(self, directory: Path, gpus: int = 2) -> None:
+    With `nodes` (names), one `slurmd -D -N NAME` per node on this host, each with its own Port= and its
+    spool, pid and log paths by `%n`, and `gpus` GRES device nodes of its own: `devices` lists them node by
+    node (the simulated GPUs in that order), `node_devices` by node. A job finds its node's device by
+    SLURMD_NODENAME.
+
+    `proctrack`: Slurm's ProctrackType plugin. linuxproc (the default) finds a job's processes by reading
+    every process in /proc, each time it signals the job (~30 ms per 1000 processes on the 2-core VM);
+    pgid signals the job's process group (~7 ms, whatever else runs). Clusters use cgroup, which reads the
+    job's cgroup: not available to plain processes here."""
+
+    def __init__(
+        self, directory: Path, gpus: int = 2, nodes: Sequence[str] = (), proctrack: str = "linuxproc"
+    ) -> None:
         self.dir = directory
-        self.devices = [str(directory / "dev" / f"gpu{i}") for i in range(gpus)]
+        self.proctrack = proctrack
+        self.nodes: Tuple[str, ...] = tuple(nodes)
+        if self.nodes:
+            self.node_devices = {
+                n: [str(directory / "dev" / f"{n}-gpu{i}") for i in range(gpus)] for n in self.nodes
+            }
+            self.devices = [p for n in self.nodes for p in self.node_devices[n]]
+        else:
+            self.devices = [str(directory / "dev" / f"gpu{i}") for i in range(gpus)]
+            self.node_devices = {"localhost": list(self.devices)}
         self.conf = directory / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.procs: Dict[str, subprocess.Popen] = {}
@@ -111,7 +136,7 @@ class SlurmCluster:
 
     def start(self) -> SlurmCluster:
         d = self.dir
-        for sub in ("munge", "state", "spool", "log", "dev", "jobs"):
+        for sub in ("munge", "state", "spool", "log", "dev", "jobs", *(f"spool/{n}" for n in self.nodes)):
             (d / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(d, 0o755)
         os.chmod(d / "munge", 0o711)  # the socket is reached through it
@@ -136,16 +161,50 @@ class SlurmCluster:
         )  # fmt: skip
         self._wait(lambda: (m / "munge.sock").exists(), 10, "munged's socket")
         self.start_ctld()
-        self._spawn("slurmd", ["slurmd", "-D", "-N", "localhost"])
+        if self.nodes:
+            for n in self.nodes:
+                self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n])
+        else:
+            self._spawn("slurmd", ["slurmd", "-D", "-N", "localhost"])
         self._wait(self._node_idle, 30, "the node to be idle")
         return self
 
     def _write_config(self) -> None:
         d = self.dir
-        gres = "".join(f"NodeName=localhost Name=gpu File={p}\n" for p in self.devices)
+        gres = "".join(f"NodeName={n} Name=gpu File={p}\n" for n, ps in self.node_devices.items() for p in ps)
         (d / "gres.conf").write_text(gres)
-        self.conf.write_text(
-            f"""ClusterName=gpumontest
+        text = self._config_text()
+        if self.nodes:
+            text = self._several_nodes(text)
+        self.conf.write_text(text)
+
+    def _several_nodes(self, text: str) -> str:
+        """The one-node config made into `nodes`: each its own slurmd port, spool, pid and log file."""
+        d, cpus, per = self.dir, max(2, os.cpu_count() or 2), len(self.devices) // len(self.nodes)
+        names = ",".join(self.nodes)
+        lines = []
+        for line in text.splitlines():
+            if line.startswith("SlurmdSpoolDir="):
+                line = f"SlurmdSpoolDir={d / 'spool' / '%n'}"
+            elif line.startswith("SlurmdPidFile="):
+                line = f"SlurmdPidFile={d / 'slurmd-%n.pid'}"
+            elif line.startswith("SlurmdLogFile="):
+                line = f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}"
+            elif line.startswith("NodeName=localhost"):
+                lines += [
+                    f"NodeName={n} NodeHostname=localhost Port={free_port()} CPUs={cpus} Gres=gpu:{per} "
+                    "State=UNKNOWN"
+                    for n in self.nodes
+                ]
+                continue
+            elif line.startswith("PartitionName="):
+                line = line.replace("Nodes=localhost", f"Nodes={names}")
+            lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    def _config_text(self) -> str:
+        d = self.dir
+        return f"""ClusterName=gpumontest
 SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
@@ -160,7 +219,7 @@ SlurmctldPidFile={d / "slurmctld.pid"}
 SlurmdPidFile={d / "slurmd.pid"}
 SlurmctldLogFile={d / "log" / "slurmctld.log"}
 SlurmdLogFile={d / "log" / "slurmd.log"}
-ProctrackType=proctrack/linuxproc
+ProctrackType=proctrack/{self.proctrack}
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -178,7 +237,6 @@ NodeName=localhost CPUs={max(2, os.cpu_count() or 2)} Gres=gpu:{len(self.devices
 PartitionName=scavenger Nodes=localhost PriorityTier=1 PreemptMode=REQUEUE Default=YES State=UP
 PartitionName=normal Nodes=localhost PriorityTier=10 PreemptMode=OFF State=UP
 """
-        )
 
     def start_ctld(self) -> None:
         """Start slurmctld (again: it recovers its jobs from its state directory)."""
@@ -196,7 +254,7 @@ PartitionName=normal Nodes=localhost PriorityTier=10 PreemptMode=OFF State=UP
             self.run("scancel", "--full", "--user=root", check=False)
             with contextlib.suppress(AssertionError):
                 self._wait(lambda: not self.jobs(), 20, "the jobs to end")
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [n for n in self.procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             self._stop(name)
         for pid, comm in self._ours():
             left.append(f"{comm}[{pid}]")
@@ -262,7 +320,7 @@ PartitionName=normal Nodes=localhost PriorityTier=10 PreemptMode=OFF State=UP
     def logs(self) -> str:
         """The end of each daemon's own output."""
         out = []
-        for name in DAEMONS:
+        for name in dict.fromkeys((*DAEMONS, *self.procs)):
             with contextlib.suppress(OSError):
                 out.append(
                     f"{name}: {(self.dir / 'log' / f'{name}.out').read_text(errors='replace')[-1500:]}"
@@ -289,12 +347,16 @@ PartitionName=normal Nodes=localhost PriorityTier=10 PreemptMode=OFF State=UP
         states = set(r.stdout.split())  # (one line per partition)
         return r.returncode == 0 and bool(states) and states <= {"idle", "mixed", "allocated"}
 
-    def submit(self, partition: str, gpu: int, log: Path, gpus: int = 1) -> int:
-        """A batch job in `partition` asking for `gpus` GPUs, holding device node `gpu`; its job id."""
+    def submit(self, partition: str, gpu: int, log: Path, gpus: int = 1, *extra: str) -> int:
+        """A batch job in `partition` asking for `gpus` GPUs, holding device node `gpu` (with several nodes:
+        its node's `gpu`th); its job id. `extra`: more sbatch options."""
+        dev = self.devices[gpu]
+        if self.nodes:
+            dev = ",".join(f"{n}={ps[gpu]}" for n, ps in self.node_devices.items())
         r = self.run(
             "sbatch", "--parsable", f"--partition={partition}", f"--gres=gpu:{gpus}", "--requeue",
-            f"--output={self.dir / 'jobs' / 'slurm-%j.out'}", f"--chdir={self.dir}",
-            f"--wrap=exec {PYTHON} {self.job_file} {log} {self.devices[gpu]}",
+            f"--output={self.dir / 'jobs' / 'slurm-%j.out'}", f"--chdir={self.dir}", *extra,
+            f"--wrap=exec {PYTHON} {self.job_file} {log} {dev}",
         )  # fmt: skip
         return int(r.stdout.strip().split(";")[0])
 

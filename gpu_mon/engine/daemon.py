@@ -44,6 +44,7 @@ from gpu_mon.engine.reload import Reloader
 from gpu_mon.engine.slurm import Slurm
 from gpu_mon.engine.workloads import cgroups, linux, stopping
 from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
+from gpu_mon.slurm.owed import path_for as owed_path
 
 log = logging.getLogger("gpu_mon")
 
@@ -227,7 +228,10 @@ class Daemon:
             self.slurm.close()
             self.slurm = None
         elif rule is not None and self.slurm is None:
-            self.slurm = Slurm(rule, self.loop.poke, self.clock, self.wall, self.supervisor.spawn_helper)
+            record = owed_path(self.config.defaults.state_file)
+            self.slurm = Slurm(
+                rule, self.loop.poke, self.clock, self.wall, self.supervisor.spawn_helper, record
+            )
             log.info("slurm: jobs of %s yield to anyone else's use of their GPUs", self.slurm.whose())
         elif rule is not None and self.slurm is not None:
             self.slurm.set_rule(rule)

@@ -5,9 +5,14 @@ job's processes itself.
 
 Before a requeue the job is told to avoid this node (its excluded nodes, while Slurm holds it for the
 moment of the change), so that Slurm does not start it again on the GPU someone uses; after
-avoid_node_seconds its own list comes back. Calls run in control.py's threads: the round only hands
-them over, so a slow or dead slurmctld never delays a yield; a failed action is tried again each round
-while the use lasts, and each time slurmctld cannot be reached is one log line.
+avoid_node_seconds its own list comes back. Slurm itself would start a requeued batch job again only about
+two minutes after it has ended (its EligibleTime: the end of the requeue plus ~121 s on 22.05); once the job
+is back in the queue (PENDING, no longer COMPLETING) gpu-mon sets its StartTime to now, so that it runs at
+once on another node. What gpu-mon owes a job (its release, its lift) is written down before the hold
+(slurm/owed.py): a gpu-mon killed in between pays it when it starts again. Calls run in control.py's
+threads: the round only hands them over, so a slow or dead slurmctld never delays a yield; a failed
+action is tried again each round while the use lasts, and each time slurmctld cannot be reached is one
+log line.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Counter, Dict, List, Mapping, Optional, Tuple
 
@@ -24,8 +30,9 @@ from gpu_mon.config import GpuSection, SlurmSection
 from gpu_mon.engine import words
 from gpu_mon.engine.policy import ignored
 from gpu_mon.slurm import control as C
+from gpu_mon.slurm import owed as O
 from gpu_mon.slurm.decide import Act, Use, decide, gpus_of_jobs
-from gpu_mon.slurm.jobs import JobInfo, Preemptible, parse_job
+from gpu_mon.slurm.jobs import JobInfo, Preemptible, fields, parse_job
 from gpu_mon.slurm.procs import JobMembers
 from gpu_mon.slurm.view import Action, JobOnGpus, SlurmReport
 
@@ -33,6 +40,22 @@ log = logging.getLogger("gpu_mon")
 
 FORGET_SECONDS = 60.0  # a job not seen on a GPU for this long is looked up again when it comes back
 RETRY_SECONDS = 1.0  # a failed action is asked for again after this long (each round, at most this often)
+# After the release, how often the job is looked at until it is back in the queue (its processes end:
+# Slurm's KillWait at most), and for how long at most.
+PEEK_SECONDS, PEEK_SLOW_SECONDS, PEEK_FAST_FOR, PEEK_FOR = 0.05, 1.0, 5.0, 300.0
+# A job kept off this node that runs elsewhere when its time is up keeps the exclusion (Slurm changes the
+# excluded nodes of pending jobs only): looked at again this often, lifted once it is pending.
+LIFT_RETRY_SECONDS = 30.0
+_ENDED = (
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 @dataclass
@@ -60,6 +83,7 @@ class Slurm:
         clock: Callable[[], float],
         wall: Callable[[], float],
         spawn: C.Spawn = C.popen,
+        record: str = "",
     ) -> None:
         self.rule = rule
         self.clock, self.wall = clock, wall
@@ -70,13 +94,20 @@ class Slurm:
         self.looking: Dict[int, float] = {}
         self.seen: Dict[int, float] = {}
         self.acting: Dict[int, _Acting] = {}
-        self.lifts: Dict[int, Tuple[float, str]] = {}  # job -> (when, its own ExcNodeList)
+        self.lifts: Dict[int, float] = {}  # job -> when this node comes off its excluded nodes (owed)
         self.on_gpus: Dict[int, Tuple[str, ...]] = {}
         self.done: List[Action] = []
         self.counts: Counter[Tuple[str, str]] = collections.Counter()
         self.unreachable = False
         self.episodes = 0
         self.broken = False
+        self.node_of: Dict[Tuple[int, str], str] = {}  # (job, GPU) -> SLURMD_NODENAME of its process there
+        self.peeks: Dict[int, Tuple[float, float, float]] = {}  # job -> (next look, first look, give up)
+        self.peeking: set = set()
+        self.record = record  # owed.py's file ("": none kept)
+        self.owed: Dict[int, O.Owed] = {}
+        if record:
+            self._recover()
 
     # ------------------------------------------------------------------ each round
 
@@ -131,11 +162,16 @@ class Slurm:
         for job, a in self.acting.items():
             if a.stage == "signal" and now >= a.due:
                 self._action(job, a, now)
-        for job, (due, own) in list(self.lifts.items()):
+        for job, due in list(self.lifts.items()):
             if now >= due:
                 del self.lifts[job]
-                argv = (self.rule.scontrol, "update", f"JobId={job}", f"ExcNodeList={own}")
-                self.control.submit(C.Call(job, "lift", (argv,), now))
+                argv = (self.rule.scontrol, "show", "job", "-o", str(job))
+                self.control.submit(C.Call(job, "lift-look", (argv,), now))
+        for job, (due, _first, _end) in list(self.peeks.items()):
+            if now >= due and job not in self.peeking:
+                self.peeking.add(job)
+                argv = (self.rule.scontrol, "show", "job", "-o", str(job))
+                self.control.submit(C.Call(job, "peek", (argv,), now))
 
     def wanted(self, now: float) -> bool:
         """Whether a round is due: a call has finished, or a deadline has come."""
@@ -155,7 +191,8 @@ class Slurm:
     def next_wake(self) -> Optional[float]:
         """When `tick` has something to do."""
         due = [a.due for a in self.acting.values() if a.stage in ("signal", "retry")]
-        due += [d for d, _own in self.lifts.values()]
+        due += list(self.lifts.values())
+        due += [d for j, (d, _f, _e) in self.peeks.items() if j not in self.peeking]
         return min(due, default=None)
 
     def _uses(self, snap: Snapshot, rules: Mapping[str, GpuSection]) -> Tuple[Use, ...]:
@@ -169,15 +206,21 @@ class Slurm:
                 old = merged.get(h.pid)
                 merged[h.pid] = (old[0] if old else h, gpus | (old[1] if old else frozenset()))
         uses = []
+        self.node_of = {}
         for pid, (h, gpus) in sorted(merged.items()):
             member = self.members.of(pid, h.start_ticks)
             uses.append(Use(pid, h.user, h.name, gpus, member.job if member else None))
+            if member is not None and member.node:
+                self.node_of.update({(member.job, g): member.node for g in gpus})
         if len(self.members.cache) > 4 * len(merged) + 1000:
             self.members.keep_only((h.pid, h.start_ticks) for h, _g in merged.values())
         return tuple(uses)
 
-    def _node(self, job: int) -> str:
-        """This node as Slurm names it: SLURMD_NODENAME in the job's processes, else the short host name."""
+    def _node(self, job: int, gpu: str) -> str:
+        """This node as Slurm names it: SLURMD_NODENAME in the job's processes on that GPU, or in any of
+        them, else the short host name."""
+        if (job, gpu) in self.node_of:
+            return self.node_of[(job, gpu)]
         for (_pid, _ticks), m in self.members.cache.items():
             if m is not None and m.job == job and m.node:
                 return m.node
@@ -195,7 +238,7 @@ class Slurm:
             old.act = act
             self._action(act.job, old, now)
             return
-        a = _Acting(act, info, self._node(act.job), wake, by_open, "action")
+        a = _Acting(act, info, self._node(act.job, act.gpu), wake, by_open, "action")
         self.acting[act.job] = a
         what = self.rule.action if self.rule.signal is None else "signal"
         log.info(
@@ -223,6 +266,7 @@ class Slurm:
         elif s.avoid_node_seconds > 0:
             # Held while its excluded nodes change: Slurm cannot start it again on this node meanwhile.
             exclude = ",".join(n for n in (a.info.exc_nodes, a.node) if n)
+            self._owe(O.Owed(job, a.info.exc_nodes, a.node))  # (before the hold)
             argvs = ((s.scontrol, "requeuehold", str(job)),)
             after = (
                 (s.scontrol, "update", f"JobId={job}", f"ExcNodeList={exclude}"),
@@ -250,11 +294,12 @@ class Slurm:
             self._reachable(r)
             if r.call.kind == "lookup":
                 self._looked_up(r)
-            elif r.call.kind == "lift":
-                if r.result not in (C.OK, C.GONE):
-                    log.info(
-                        "slurm: job %d: cannot lift the exclusion of %s: %s", r.call.job, self.node, r.error
-                    )
+            elif r.call.kind in ("lift-look", "lift"):
+                self._lifting(r)
+            elif r.call.kind == "peek":
+                self._peeked(r)
+            elif r.call.kind in ("eligible", "release"):
+                self._released(r)
             else:
                 self._acted(r)
 
@@ -310,7 +355,9 @@ class Slurm:
         if r.result in (C.OK, C.GONE):
             a.stage = "done"
             if r.result == C.OK and kind == "requeue" and self.rule.avoid_node_seconds > 0:
-                self.lifts[job] = (self.clock() + self.rule.avoid_node_seconds, a.info.exc_nodes)
+                self._requeued(job, a.info.exc_nodes, a.node, self.rule.avoid_node_seconds)
+            else:
+                self._paid(job)
         else:
             a.stage, a.due = "retry", self.clock() + RETRY_SECONDS  # again, if the use goes on
             a.failed = a.failed or r.result == C.FAILED
@@ -346,17 +393,182 @@ class Slurm:
         self.rule = rule
 
     def close(self) -> None:
-        """gpu-mon stops (or [slurm] is removed): the jobs still kept off this node get their own excluded
-        nodes back now (no one would lift them later), each call waited for at most timeout_seconds."""
-        for job, (_due, own) in sorted(self.lifts.items()):
-            argv = [self.rule.scontrol, "update", f"JobId={job}", f"ExcNodeList={own}"]
-            code, text = C.ask(argv, self.rule.timeout_seconds)
-            if code == 0:
-                log.info("slurm: job %d may use this node again", job)
-            elif C.classify(code, text) != C.GONE:
-                log.warning("slurm: job %d: cannot lift its exclusion of this node: %s", job, text)
+        """gpu-mon stops (or [slurm] is removed): the jobs still kept off this node get it back now (no one
+        would lift them later), each call waited for at most timeout_seconds; what cannot be given back
+        stays owed, for the next start."""
+        for job, o in sorted(self.owed.items()):
+            if o.released and self._give_back(o):
+                self.owed.pop(job, None)
         self.lifts.clear()
+        self._save()
         self.control.close()
+
+    def _give_back(self, o: O.Owed) -> bool:
+        """This node off the job's excluded nodes, now; whether nothing is owed any more. A job still ending
+        (COMPLETING: Slurm would not take the change) is waited for, up to timeout_seconds."""
+        end = self.clock() + self.rule.timeout_seconds
+        while True:
+            argv = [self.rule.scontrol, "show", "job", "-o", str(o.job)]
+            code, text = C.ask(argv, self.rule.timeout_seconds)
+            state, exc = _state(text if code == 0 else "")
+            if state != "COMPLETING" or self.clock() >= end:
+                break
+            time.sleep(PEEK_SECONDS)
+        if (
+            (code != 0 and C.classify(code, text) == C.GONE)
+            or state in _ENDED
+            or (code == 0 and _clear(exc, o))
+        ):
+            return True
+        if state != "PENDING":  # (Slurm changes the excluded nodes of pending jobs only)
+            why = f"cannot read it: {text}" if code else "running elsewhere" if state == "RUNNING" else state
+            log.info("slurm: job %d: %s; it stays off %s until gpu-mon starts again", o.job, why, o.node)
+            return False
+        argv = [self.rule.scontrol, "update", f"JobId={o.job}", f"ExcNodeList={_without(exc, o)}"]
+        code, text = C.ask(argv, self.rule.timeout_seconds)
+        if code == 0 and o.job in self.peeks:  # (not yet made eligible: Slurm's begin time is minutes away)
+            C.ask(
+                [self.rule.scontrol, "update", f"JobId={o.job}", "StartTime=now"], self.rule.timeout_seconds
+            )
+        if code == 0:
+            log.info("slurm: job %d may use this node again", o.job)
+        elif C.classify(code, text) != C.GONE:
+            log.warning("slurm: job %d: cannot lift its exclusion of this node: %s", o.job, text)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ after the requeue
+
+    def _requeued(self, job: int, own: str, node: str, avoid: float) -> None:
+        """Released: its lift is due in `avoid` seconds, and it is looked at until it may start again."""
+        self.lifts[job] = self.clock() + avoid
+        self._owe(O.Owed(job, own, node, True, self.wall() + avoid))
+        now = self.clock()
+        self.peeks[job] = (now, now, now + PEEK_FOR)
+
+    def _lifting(self, r: C.Result) -> None:
+        """A lift: the job looked at (pending: this node off its excluded nodes; running elsewhere: again
+        later, since Slurm changes a pending job's only; ended: nothing owed), or the update's result."""
+        job, now = r.call.job, self.clock()
+        o = self.owed.get(job) or O.Owed(job)
+        if r.result == C.GONE:
+            self._paid(job)
+            return
+        if r.result != C.OK:
+            if not (r.call.kind == "lift" and "no longer pending" in r.error.lower()):
+                log.info(
+                    "slurm: job %d: cannot lift the exclusion of %s: %s", job, o.node or self.node, r.error
+                )
+            self.lifts[job] = now + LIFT_RETRY_SECONDS
+            return
+        if r.call.kind == "lift":
+            self._paid(job)
+            return
+        state, exc = _state(r.output)
+        if state in _ENDED or _clear(exc, o):
+            self._paid(job)
+        elif state == "PENDING":
+            argv = (self.rule.scontrol, "update", f"JobId={job}", f"ExcNodeList={_without(exc, o)}")
+            self.control.submit(C.Call(job, "lift", (argv,), now))
+        else:
+            self.lifts[job] = now + (PEEK_SLOW_SECONDS if state == "COMPLETING" else LIFT_RETRY_SECONDS)
+
+    def _peeked(self, r: C.Result) -> None:
+        """Back in the queue (its processes ended): StartTime=now, so that it need not wait for the begin
+        time Slurm gives a requeued job; still ending: looked at again soon; running or gone: nothing."""
+        job = r.call.job
+        self.peeking.discard(job)
+        if job not in self.peeks:
+            return
+        _due, first, end = self.peeks[job]
+        state = fields(r.output).get("JobState", "") if r.result == C.OK else ""
+        now = self.clock()
+        if state == "PENDING":
+            del self.peeks[job]
+            argv = (self.rule.scontrol, "update", f"JobId={job}", "StartTime=now")
+            self.control.submit(C.Call(job, "eligible", (argv,), now))
+        elif r.result in (C.OK, C.UNREACHABLE, C.FAILED) and state in ("", "COMPLETING") and now < end:
+            pause = PEEK_SECONDS if now - first < PEEK_FAST_FOR else PEEK_SLOW_SECONDS
+            self.peeks[job] = (now + pause, first, end)
+        else:
+            del self.peeks[job]
+
+    def _released(self, r: C.Result) -> None:
+        """The StartTime update (or a recovered job's release) came back."""
+        if r.call.kind == "release" and r.result in (C.OK, C.GONE):
+            o = self.owed.get(r.call.job)
+            if o is not None and r.result == C.OK:
+                self._owe(O.Owed(o.job, o.own, o.node, True, o.lift_at))
+                now = self.clock()
+                self.peeks[o.job] = (now, now, now + PEEK_FOR)
+            elif o is not None:
+                self._paid(r.call.job)
+        elif r.result not in (C.OK, C.GONE):
+            log.info("slurm: job %d: %s: %s", r.call.job, r.call.kind, r.error)
+
+    # ------------------------------------------------------------------ what is owed
+
+    def _owe(self, o: O.Owed) -> None:
+        self.owed[o.job] = o
+        self._save()
+
+    def _paid(self, job: int) -> None:
+        if self.owed.pop(job, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        if not self.record:
+            return
+        try:
+            O.save(self.record, self.owed)
+        except OSError as err:
+            log.warning("slurm: cannot write %s: %s", self.record, err)
+
+    def _recover(self) -> None:
+        """Jobs an earlier gpu-mon held or kept off this node and stopped before it gave them back: held
+        ones are released now, exclusions lifted when they were due (at once if that has passed)."""
+        try:
+            self.owed = O.load(self.record)
+        except ValueError as err:
+            log.warning("slurm: cannot read what an earlier gpu-mon owes Slurm: %s", err)
+            return
+        now, wall = self.clock(), self.wall()
+        for job, o in sorted(self.owed.items()):
+            lift_at = o.lift_at or wall + self.rule.avoid_node_seconds
+            self.lifts[job] = now + max(0.0, lift_at - wall)
+            self.peeks[job] = (now, now, now + PEEK_FOR)  # (pending: eligible at once)
+            if not o.released:
+                log.info(
+                    "slurm: job %d was held by a gpu-mon that stopped before it released it: releasing it",
+                    job,
+                )
+                self.owed[job] = O.Owed(job, o.own, o.node, False, lift_at)
+                argv = (self.rule.scontrol, "release", str(job))
+                self.control.submit(C.Call(job, "release", (argv,), now))
+        self._save()
+
+
+def _state(text: str) -> Tuple[str, str]:
+    """(JobState, ExcNodeList) from `scontrol show job -o` ("" each when not there)."""
+    f = fields(text)
+    exc = f.get("ExcNodeList", "")
+    return f.get("JobState", ""), "" if exc == "(null)" else exc
+
+
+def _clear(exc: str, o: O.Owed) -> bool:
+    """Whether nothing is left to give back: the node gpu-mon added is not among the excluded nodes (the
+    update never happened), or the job's own list named it too."""
+    return "[" not in exc and _without(exc, o) == exc
+
+
+def _without(exc: str, o: O.Owed) -> str:
+    """The excluded nodes less the one gpu-mon added (kept when the job's own list named it too); where
+    Slurm shows them as a range (`gpu[01-03]`), the job's own list as it was."""
+    if not o.node or o.node in o.own.split(","):
+        return exc
+    if "[" in exc:
+        return o.own
+    return ",".join(n for n in exc.split(",") if n and n != o.node)
 
 
 def _doing(a: Optional[_Acting], action: str) -> str:
