@@ -9,8 +9,11 @@ import statistics
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import IO, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
 
 
 class Background:
@@ -87,6 +90,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float, what: str, prog: str = "", every: float = 0.02
+) -> T:
+    """condition()'s first true value, asked every `every` s; after `timeout` s, exit naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            said = f"timed out waiting for {what}"
+            raise SystemExit(f"{prog}: {said}" if prog else said)
+        time.sleep(every)
+
+
+def sim_gpus(work: Path, count: int = 2) -> None:
+    """`count` simulated GPUs for start_daemon: work/dev/nvidiaN and work/sim.json (uuids GPU-bench-N)."""
+    (work / "dev").mkdir()
+    gpus = []
+    for i in range(count):
+        (work / "dev" / f"nvidia{i}").touch()
+        gpus.append({"uuid": f"GPU-bench-{i}", "device": f"dev/nvidia{i}"})
+    (work / "sim.json").write_text(json.dumps({"gpus": gpus}))
 
 
 def start_daemon(work: Path, conf: str, pythonpath: str) -> Tuple[subprocess.Popen, IO[bytes]]:

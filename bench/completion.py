@@ -20,8 +20,6 @@ something is there already, and removes /run/gpu_mon again if it made it. Prints
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -38,24 +36,8 @@ DEFAULT_SOCKET = Path("/run/gpu_mon/queue.sock")
 BASH = ROOT / "docs" / "completion" / "bash" / "gpu-mon"
 
 
-def _sibling(name: str):
-    """bench/NAME.py, loaded by its path."""
-    spec = importlib.util.spec_from_file_location(f"gpu_mon_bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bg = _sibling("background")
-
-
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{PROG}: timed out waiting for {what}")
-        time.sleep(0.02)
+sys.path.insert(0, str(BENCH))
+import background as bg  # noqa: E402
 
 
 def _time(argv: List[str], trials: int, expect: int, env: Dict[str, str]) -> List[float]:
@@ -83,19 +65,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-mon-bench-completion-"))
     daemon = log = None
     try:
-        (work / "dev").mkdir()
-        gpus = []
-        for i in range(2):
-            (work / "dev" / f"nvidia{i}").touch()
-            gpus.append({"uuid": f"GPU-bench-{i}", "device": f"dev/nvidia{i}"})
-        (work / "sim.json").write_text(json.dumps({"gpus": gpus}))
+        bg.sim_gpus(work)
         conf = (
             f"[defaults]\nstate_file = {work / 'state.json'}\n[history]\nenabled = no\n"
             "[gpu-all]\ngpus = ALL\n"
             f"[queue]\ndatabase = {work / 'queue.sqlite'}\nmax_queued_per_user = 1000000\n"
         )
         daemon, log = bg.start_daemon(work, conf, str(ROOT))
-        _wait(DEFAULT_SOCKET.exists, 60, f"the queue's socket ({work / 'daemon.log'})")
+        bg.wait_until(DEFAULT_SOCKET.exists, 60, f"the queue's socket ({work / 'daemon.log'})", PROG)
         t = time.monotonic()
         for _ in range(args.jobs):
             req = {"op": "submit", "command": ["true"], "cwd": "/", "env": {}, "hold": True}

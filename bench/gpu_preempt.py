@@ -40,50 +40,11 @@ from typing import List, Optional
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import newcomer  # noqa: E402
 from background import median, percentile, table  # noqa: E402
 from proof import openers  # noqa: E402
 
 from gpu_mon.api.nvml import NvmlBackend  # noqa: E402
-
-FOREIGN = r"""
-import json, sys, time
-import torch
-share = float(sys.argv[1])
-t_init = time.monotonic_ns()
-torch.cuda.init()
-free, total = torch.cuda.mem_get_info()
-t_ready = time.monotonic_ns()
-try:
-    x = torch.empty(int(total * share), dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
-    ok, err = True, ""
-except torch.OutOfMemoryError as e:
-    ok, err = False, str(e).splitlines()[0]
-t_alloc = time.monotonic_ns()
-print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok": ok, "err": err,
-                  "free_at_init_mib": free >> 20}), flush=True)
-"""
-
-FOREIGN_LIBCUDA = r"""
-import ctypes, json, sys, time
-share = float(sys.argv[1])
-cuda = ctypes.CDLL("libcuda.so.1")
-t_init = time.monotonic_ns()
-assert cuda.cuInit(0) == 0
-dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
-assert cuda.cuCtxSetCurrent(ctx) == 0
-free, total = ctypes.c_size_t(), ctypes.c_size_t()
-assert cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
-t_ready = time.monotonic_ns()
-ptr = ctypes.c_uint64()
-rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(total.value * share)))
-t_alloc = time.monotonic_ns()
-err = "" if rc == 0 else ("CUDA_ERROR_OUT_OF_MEMORY" if rc == 2 else f"CUresult {rc}")
-print(json.dumps({"t_init": t_init, "t_ready": t_ready, "t_alloc": t_alloc, "ok": rc == 0, "err": err,
-                  "free_at_init_mib": free.value >> 20}), flush=True)
-"""
 
 
 def held_fraction(memory: str) -> Optional[float]:
@@ -136,7 +97,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--memory", default="88%", help="the stressor's --memory, or 'default' for its own")
-    ap.add_argument("--foreign", choices=("torch", "libcuda"), default="torch", help="the foreign process")
+    ap.add_argument("--foreign", choices=newcomer.KINDS, default="torch", help="the foreign process")
     ap.add_argument(
         "--foreign-alloc",
         type=share,
@@ -186,13 +147,8 @@ def _text(path: Path) -> str:
 
 def run_trial(backend: NvmlBackend, a: argparse.Namespace, ours: set, used: int) -> Optional[dict]:
     """One foreign process against the workload: its record (None if it printed nothing)."""
-    script = FOREIGN_LIBCUDA if a.foreign == "libcuda" else FOREIGN
-    foreign = subprocess.Popen(  # CUDA's device 0 is NVML's GPU 0 in PCI bus order
-        [sys.executable, "-c", script, repr(a.foreign_alloc)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID"),
-    )
+    # No go line: it starts timing (t_init) as soon as torch or libcuda is loaded.
+    foreign = newcomer.start(a.foreign, a.foreign_alloc, go=False)
     ours_mib = sum(p.used_memory_mib or 0 for p in gpu0(backend).processes or () if p.pid in ours)
     released_at: Optional[int] = None  # our pid gone from NVML's process list
     freed_at: Optional[int] = None  # NVML memory used down by 90% of what our process held
@@ -218,7 +174,7 @@ def run_trial(backend: NvmlBackend, a: argparse.Namespace, ours: set, used: int)
         "ok": out["ok"],
         "err": out["err"],
         "ours_mib": ours_mib,
-        "free_at_init_mib": out["free_at_init_mib"],
+        "free_at_init_mib": out["free_at_ready_mib"],  # the name bench/gpu_proof.py's files have
         "freed_ms": (freed_at - out["t_init"]) / 1e6 if freed_at else float("nan"),
         "off_list_ms": (released_at - out["t_init"]) / 1e6 if released_at else float("nan"),
         "ready_ms": (out["t_ready"] - out["t_init"]) / 1e6,

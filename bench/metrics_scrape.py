@@ -28,7 +28,7 @@ from typing import List
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import free_port, median, percentile, table  # noqa: E402
+from background import free_port, median, percentile, table, wait_until  # noqa: E402
 
 GPUS = 8
 
@@ -50,14 +50,6 @@ def time_scrapes(port: int, path: str, n: int) -> List[float]:
         out.append((time.perf_counter() - began) * 1000)
         assert body, "empty answer"
     return out
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def start_daemon(work: Path, port: int) -> subprocess.Popen:
@@ -106,7 +98,12 @@ def main() -> int:
     static = None
     try:
         wanted = sorted(["0.0"] * GPUS + ["1.0"] * GPUS)
-        wait_until(lambda: _answers(port) and sorted(workloads(port)) == wanted, 60, "8 workloads running")
+        wait_until(
+            lambda: _answers(port) and sorted(workloads(port)) == wanted,
+            60,
+            "8 workloads running",
+            every=0.05,
+        )
         body = get(port, "/metrics")
         (work / "www").mkdir()
         (work / "www" / "metrics").write_bytes(body)
@@ -115,7 +112,7 @@ def main() -> int:
              str(static_port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        wait_until(lambda: _answers(static_port), 30, "the static server")
+        wait_until(lambda: _answers(static_port), 30, "the static server", every=0.05)
         time_scrapes(port, "/metrics", 20)  # warm up both
         time_scrapes(static_port, "/metrics", 20)
         ours = time_scrapes(port, "/metrics", a.scrapes)

@@ -139,14 +139,7 @@ def ask(path: str, obj: dict) -> dict:
 
 
 def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{PROG}: timed out waiting for {what}")
-        time.sleep(0.02)
+    return bg.wait_until(cond, timeout, what, PROG)
 
 
 def pct(values: List[float], p: float) -> float:
@@ -160,12 +153,7 @@ class Run:
         self.dir = work / name
         self.dir.mkdir()
         self.code, self.delay = code, start_delay
-        (self.dir / "dev").mkdir()
-        gpus = []
-        for i in range(2):
-            (self.dir / "dev" / f"nvidia{i}").touch()
-            gpus.append({"uuid": f"GPU-bench-{i}", "device": f"dev/nvidia{i}"})
-        (self.dir / "sim.json").write_text(json.dumps({"gpus": gpus}))
+        bg.sim_gpus(self.dir)
         self.socket = str(self.dir / "run" / "queue.sock")
         self.conf = self.dir / "gpu_mon.conf"
         conf = (

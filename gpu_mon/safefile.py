@@ -84,16 +84,22 @@ def open_parent(path: str, trusted_uid: Optional[int] = None, resolve: bool = Tr
     return fd, name
 
 
-def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes:
-    """Read a whole regular file; with `trusted_uid`, refuse it unless only root can change it."""
-    dir_fd, name = open_parent(path, trusted_uid)
+def _open_in_parent(
+    path: str, flags: int, trusted_uid: Optional[int] = None, resolve: bool = True, mode: int = 0o777
+) -> int:
+    """`path` opened with `flags` in the directory open_parent walks to, never through a symlink."""
+    dir_fd, name = open_parent(path, trusted_uid, resolve)
     try:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError as err:
-            raise UnsafeFile(f"{path}: {_why(err)}") from None
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as err:
+        raise UnsafeFile(f"{path}: {_why(err)}") from None
     finally:
         os.close(dir_fd)
+
+
+def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes:
+    """Read a whole regular file; with `trusted_uid`, refuse it unless only root can change it."""
+    fd = _open_in_parent(path, os.O_RDONLY | os.O_NONBLOCK, trusted_uid)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -129,14 +135,7 @@ def read_trusted(path: str, trusted_uid: Optional[int], max_bytes: int) -> bytes
 def list_dir(path: str, trusted_uid: Optional[int]) -> List[str]:
     """The names in a directory (a config's drop-ins); with `trusted_uid`, refuse it unless only root can
     change it and its parents. A symlink is refused, as for a config file."""
-    dir_fd, name = open_parent(path, trusted_uid)
-    try:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError as err:
-            raise UnsafeFile(f"{path}: {_why(err)}") from None
-    finally:
-        os.close(dir_fd)
+    fd = _open_in_parent(path, os.O_RDONLY | os.O_DIRECTORY, trusted_uid)
     try:
         _check_dir(fd, path, trusted_uid)
         return os.listdir(fd)
@@ -155,15 +154,8 @@ def open_append(path: str, mode: int = 0o640) -> int:
     O_WRONLY|O_APPEND descriptor. Refuses FIFOs, sockets and directories; a character device is accepted
     (log = /dev/null).
     """
-    dir_fd, name = open_parent(path, resolve=False)
-    try:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, mode, dir_fd=dir_fd)
-        except OSError as err:
-            raise UnsafeFile(f"{path}: {_why(err)}") from None
-    finally:
-        os.close(dir_fd)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+    fd = _open_in_parent(path, flags, resolve=False, mode=mode)
     st = os.fstat(fd)
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
         os.close(fd)

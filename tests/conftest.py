@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import psutil
 import pytest
@@ -207,6 +207,35 @@ def foreign_opener_cmd(path: str) -> List[str]:
     """A process that is not ours opening a GPU node, saying `open`, and keeping it (like a CUDA program)."""
     code = "import sys, time; f = open(sys.argv[1]); print('open', flush=True); time.sleep(600)"
     return [WORKLOAD_PYTHON, "-c", code, path]
+
+
+@contextlib.contextmanager
+def foreign_open(path: str) -> Iterator[subprocess.Popen]:
+    """foreign_opener_cmd's process, once it has said `open`; killed and reaped afterwards."""
+    opener = subprocess.Popen(foreign_opener_cmd(path), stdout=subprocess.PIPE, text=True)
+    try:
+        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+        yield opener
+    finally:
+        opener.kill()
+        opener.wait()
+
+
+def run_script(
+    script: Path, *args: str, cwd: Path, hide: Sequence[str] = (), timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` from `cwd` with the checkout on PYTHONPATH; each module in `hide` is "not
+    installed" (a stand-in in cwd/shadow, ahead on the path, whose import fails)."""
+    path = [str(ROOT)]
+    if hide:
+        shadow = cwd / "shadow"
+        shadow.mkdir(exist_ok=True)
+        for name in hide:
+            (shadow / f"{name}.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+        path.insert(0, str(shadow))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    argv = [sys.executable, str(script), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 class SimHost:

@@ -5,14 +5,17 @@ A module that is "not installed" is a stand-in on PYTHONPATH whose import fails.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "gpu_release.py"
@@ -21,19 +24,7 @@ BENCH = ROOT / "bench" / "gpu_release.py"
 def run_bench(
     tmp_path: Path, *args: str, hide: Sequence[str] = ("torch", "pynvml")
 ) -> subprocess.CompletedProcess:
-    shadow = tmp_path / "shadow"
-    shadow.mkdir(exist_ok=True)
-    for name in hide:
-        (shadow / f"{name}.py").write_text(f"raise ImportError('{name} is not installed here')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
-    return subprocess.run(
-        [sys.executable, str(BENCH), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    return run_script(BENCH, *args, cwd=tmp_path, hide=hide)
 
 
 def test_plan_lists_every_strategy_and_cell_without_a_gpu(tmp_path):
@@ -100,6 +91,51 @@ def test_the_table_says_whether_memory_came_back_before_the_newcomer_was_ready()
     slow = next(line for line in lines if " chunks " in line).split()
     assert fast[-1] == "yes" and fast[4] == "0/2"
     assert slow[-1] == "no" and slow[4] == "1/2"
+
+
+# torch as the newcomer sees it on a GPU of 4 GiB with 3 GiB free: enough to run its script without one.
+TORCH_STUB = """
+class OutOfMemoryError(RuntimeError):
+    pass
+uint8 = "uint8"
+class cuda:
+    init = staticmethod(lambda: None)
+    synchronize = staticmethod(lambda: None)
+    mem_get_info = staticmethod(lambda: (3 << 30, 4 << 30))
+def empty(n, dtype, device):
+    if n > 3 << 30:
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 3.60 GiB\\nmore")
+    return n
+"""
+
+
+@pytest.mark.parametrize("go, share", [(True, 0.5), (False, 0.5), (True, 0.9), (False, 0.9)])
+def test_the_newcomer_waits_for_its_go_only_when_asked_and_takes_its_share_once(tmp_path, go, share):
+    (tmp_path / "torch.py").write_text(TORCH_STUB)
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import newcomer
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    sent = time.monotonic_ns()
+    proc = newcomer.start("torch", share, env=dict(os.environ, PYTHONPATH=str(tmp_path)), go=go)
+    try:
+        if go:  # gpu_release's: it loads, says so and waits; its clock starts at the go
+            assert proc.stdout.readline() == "loaded\n"
+            sent = time.monotonic_ns()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        else:  # gpu_preempt's foreign process: no go to wait for
+            assert proc.stdin is None
+        out = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sent <= out["t_init"] <= out["t_ready"] <= out["t_alloc"]
+    assert out["free_at_ready_mib"] == 3072
+    assert (out["ok"], out["err"]) == (
+        (True, "") if share == 0.5 else (False, "CUDA out of memory. Tried to allocate 3.60 GiB")
+    )
 
 
 def _gpu() -> bool:

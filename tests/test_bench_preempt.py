@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "preempt.py"
@@ -22,19 +23,7 @@ QUICK = ["--procs", "0", "--trials", "1", "--idle-seconds", "0.1"]
 
 
 def run_bench(tmp_path: Path, *args: str, hide: List[str] = ()) -> subprocess.CompletedProcess:
-    shadow = tmp_path / "shadow"
-    shadow.mkdir(exist_ok=True)
-    for name in hide:
-        (shadow / f"{name}.py").write_text(f"raise ImportError('{name} is not installed here')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)]))
-    return subprocess.run(
-        [sys.executable, str(BENCH), *QUICK, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    return run_script(BENCH, *QUICK, *args, cwd=tmp_path, hide=hide)
 
 
 def test_missing_metrics_extra_is_one_line_before_anything_starts(tmp_path):
@@ -116,8 +105,10 @@ def test_gpu_preempt_greedy_newcomer_and_the_stressors_own_hold(tmp_path):
     own = gp.daemon_config(tmp_path, "default")
     assert " -m gpu_mon stress --report-seconds 30\n" in own and "--memory" not in own
     assert " -m gpu_mon stress --memory 88% --report-seconds 30\n" in gp.daemon_config(tmp_path, "88%")
-    for script in (gp.FOREIGN, gp.FOREIGN_LIBCUDA):  # the share comes from the command line, no retry
+    for kind in ("torch", "libcuda"):  # the share comes from the command line, no retry
+        script = gp.newcomer.script(kind, go=False)
         assert "share = float(sys.argv[1])" in script and "total // 2" not in script
+        assert "readline" not in script and "loaded" not in script  # its clock starts once it has loaded
 
 
 def test_gpu_preempt_summary_leaves_disturbed_trials_out():

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "queue.py"
@@ -22,19 +23,11 @@ BENCH = ROOT / "bench" / "queue.py"
 def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
     quick = ["--jobs", "20", "--baseline", "", "--trials", "1", "--hostile", "20", "--start-delay", "0.1"]
     quick += ["--arrays", "50"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     # Its jobs run as root: their daemon makes root's default output directory (a fresh machine has none);
     # what it made that was not there before is removed afterwards.
     made = _first_missing(Path(pwd.getpwuid(os.geteuid()).pw_dir), ".local/state/gpu-mon/jobs")
     try:
-        r = subprocess.run(
-            [sys.executable, str(BENCH), *quick],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            cwd=tmp_path,
-        )
+        r = run_script(BENCH, *quick, cwd=tmp_path)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

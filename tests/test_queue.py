@@ -19,10 +19,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from conftest import ROOT, Daemon, foreign_opener_cmd, kill_marked, pid_alive, wait_for
+from conftest import ROOT, Daemon, foreign_open, kill_marked, pid_alive, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -142,6 +142,13 @@ class Lab:
             interval=0.1,
         )
 
+    def wait_running(self, user: User, job_id: int) -> List[dict]:
+        """Wait until the job runs and has reported its start: its reports."""
+        self.wait_state(user, job_id, "running")
+        return wait_for(  # type: ignore[return-value]
+            lambda: self.reports(user, job_id), 20, "the job's first report"
+        )
+
     def reports(self, user: User, job_id: int) -> List[dict]:
         path = user.work / f"report-{job_id}.jsonl"
         try:
@@ -179,32 +186,40 @@ def lab_files(base: Path, job_text: str) -> Tuple[Path, Path, Path]:
     return code, job, conf
 
 
+@contextlib.contextmanager
+def made_lab(tag: str, names: Tuple[str, str], job_text: str, group: str = "") -> Iterator[Lab]:
+    """Two users of a test file's own (the first also in `group`, made here), a directory they can read
+    with the package, the job script and the client's config; processes marked `tag`-..., all removed
+    afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=f"gpu-mon-{tag}-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    if group:
+        subprocess.run(["groupdel", group], capture_output=True)
+        subprocess.run(["groupadd", group], check=True, capture_output=True)
+    users: List[User] = []
+    marker = f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        for name in names:
+            users.append(_make_user(name, base, "" if users else group))
+        code, job, conf = lab_files(base, job_text)
+        yield Lab(base, code, job, conf, base / "run" / "queue.sock", base / "queue.sqlite", *users, marker)
+    finally:
+        with contextlib.suppress(Exception):
+            kill_marked(marker)
+        for u in users:
+            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only the test's users
+            subprocess.run(["userdel", "-r", u.name], capture_output=True)
+        if group:
+            subprocess.run(["groupdel", group], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture
 def lab(sim):
     """Two users (alice in a supplementary group), a directory they can read with the package, the job
     script and the client's config; all removed afterwards."""
-    base = Path(tempfile.mkdtemp(prefix="gpu-mon-queue-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    subprocess.run(["groupdel", GROUP], capture_output=True)
-    subprocess.run(["groupadd", GROUP], check=True, capture_output=True)
-    users = []
-    try:
-        alice = _make_user("gmqalice", base, GROUP)
-        users.append(alice)
-        bob = _make_user("gmqbob", base)
-        users.append(bob)
-        code, job, conf = lab_files(base, JOB)
-        run_dir = base / "run"
-        marker = f"gmq-{os.getpid()}-{time.monotonic_ns()}"
-        yield Lab(base, code, job, conf, run_dir / "queue.sock", base / "queue.sqlite", alice, bob, marker)
-    finally:
-        with contextlib.suppress(Exception):
-            kill_marked(locals().get("marker", "never-a-marker"))
-        for u in users:
-            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only the test's users
-            subprocess.run(["userdel", "-r", u.name], capture_output=True)
-        subprocess.run(["groupdel", GROUP], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+    with made_lab("gmq", ("gmqalice", "gmqbob"), JOB, GROUP) as made:
+        yield made
 
 
 def queue_body(lab: Lab, extra: str = "", gpus: str = "ALL") -> str:
@@ -263,11 +278,8 @@ def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_c
     d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0.3}, args=("--debug",))
     wait_for(lab.socket.exists, 20, "the queue's socket")
     job_id = lab.submit(lab.alice, "--stop-signal", "USR1", *lab.job_cmd("ckpt"))
-    lab.wait_state(lab.alice, job_id, "running")
-    wait_for(lambda: lab.reports(lab.alice, job_id), 20, "the job's first report")
-    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+    lab.wait_running(lab.alice, job_id)
+    with foreign_open(sim.device(0)):
         d.wait_log(r"busy: root .*; stopping job 1")
         # as a workload: stopped on the open's first look, before the rest of /proc is read
         d.wait_log(r"stopping job 1 before reading the rest of /proc")
@@ -278,9 +290,6 @@ def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_c
         events = [(e["event"], e["restart"]) for e in lab.reports(lab.alice, job_id)]
         assert events == [("start", 0), ("signal", 0)]  # the checkpoint signal, not SIGTERM
         assert lab.reports(lab.alice, job_id)[1]["sig"] == signal.SIGUSR1
-    finally:
-        opener.kill()
-        opener.wait()
     lab.wait_state(lab.alice, job_id, "done")
     events = [(e["event"], e["restart"]) for e in lab.reports(lab.alice, job_id)]
     assert events == [("start", 0), ("signal", 0), ("start", 1), ("resumed", 1)]
@@ -297,18 +306,13 @@ def test_fair_order_lets_a_user_with_one_job_in_before_anothers_many(
 ):
     d = daemon_factory(queue_body(lab, f"order = {order}\n", gpus="0"), defaults={"start_delay_seconds": 0})
     wait_for(lab.socket.exists, 20, "the queue's socket")
-    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+    with foreign_open(sim.device(0)):
         d.wait_log("GPU 0 .*busy")
         for _ in range(3):
             lab.submit(lab.alice, *lab.job_cmd("exit", "0"))
         lab.submit(lab.bob, *lab.job_cmd("exit", "0"))
         jobs = wait_for(lambda: (j := lab.jobs(lab.bob))[4]["reason"] != "waiting: just submitted" and j, 10)
         assert "GPU 0 busy: root" in jobs[1]["reason"] and jobs[4]["reason"] == f"waiting: {ahead}"
-    finally:
-        opener.kill()
-        opener.wait()
     lab.wait_state(lab.bob, 4, "done")
     for i in (1, 2, 3):
         lab.wait_state(lab.alice, i, "done")
@@ -394,8 +398,7 @@ def test_a_daemon_killed_with_a_job_running_requeues_it_and_never_runs_it_twice(
     wait_for(lab.socket.exists, 20, "the queue's socket")
     running = lab.submit(lab.alice, *lab.job_cmd("slowstop"))
     waiting = lab.submit(lab.bob, *lab.job_cmd("exit", "0"))
-    lab.wait_state(lab.alice, running, "running")
-    first = wait_for(lambda: lab.reports(lab.alice, running), 20, "the first run's report")[0]
+    first = lab.wait_running(lab.alice, running)[0]
     wait_for(lambda: len(lab.reports(lab.alice, running)) > 3, 20, "the first run ticking")
     d.signal(signal.SIGKILL)
     d.proc.wait(10)
@@ -605,15 +608,12 @@ def test_output_logs_follow_wait_and_no_requeue(lab, daemon_factory, sim):
         group=lab.alice.gid,
         env={"PATH": "/usr/bin:/bin", "HOME": str(lab.alice.home), "PYTHONPATH": str(lab.code)},
     )
-    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
     try:
-        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
-        job = lab.wait_state(lab.alice, job_id, "preempted")
-        assert job["reason"] == "preempted (no requeue)" and job["restarts"] == 0
-        assert follow.wait(20) == 0  # --follow ended with the job
+        with foreign_open(sim.device(0)):
+            job = lab.wait_state(lab.alice, job_id, "preempted")
+            assert job["reason"] == "preempted (no requeue)" and job["restarts"] == 0
+            assert follow.wait(20) == 0  # --follow ended with the job
     finally:
-        opener.kill()
-        opener.wait()
         follow.kill()
         follow.wait()
     d.wait_log(r"queue: job 2 of gmqalice .*: preempted")

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import kill_marked, wait_for
-from test_queue import Lab, _make_user, lab_files, queue_body
+from conftest import wait_for
+from test_queue import Lab, made_lab, queue_body
 
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import arrays, placement
@@ -182,24 +180,8 @@ pytestmark_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates users an
 def alab(sim):
     """Two users of our own (gmaann, gmaben), the package where they can read it, the job script and the
     client's config; all removed afterwards."""
-    base = Path(tempfile.mkdtemp(prefix="gpu-mon-arrays-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    users = []
-    try:
-        ann = _make_user("gmaann", base)
-        users.append(ann)
-        ben = _make_user("gmaben", base)
-        users.append(ben)
-        code, job, conf = lab_files(base, JOB)
-        marker = f"gma-{os.getpid()}-{time.monotonic_ns()}"
-        run_dir = base / "run"
-        yield Lab(base, code, job, conf, run_dir / "queue.sock", base / "queue.sqlite", ann, ben, marker)
-    finally:
-        kill_marked(locals().get("marker", "never-a-marker"))
-        for u in users:
-            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only the test's users
-            subprocess.run(["userdel", "-r", u.name], capture_output=True)
-        subprocess.run(["rm", "-rf", str(base)], capture_output=True)
+    with made_lab("gma", ("gmaann", "gmaben"), JOB) as lab:
+        yield lab
 
 
 def _reports(lab: Lab, user, job_id: int) -> List[dict]:

@@ -12,13 +12,12 @@ import re
 import signal
 import sqlite3
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import GPU_MON, kill_marked, wait_for
-from test_queue import PY, Lab, User, _make_user, lab_files, queue_body
+from conftest import GPU_MON, wait_for
+from test_queue import PY, Lab, User, made_lab, queue_body
 
 from gpu_mon.config import QueueSection
 from gpu_mon.outputs.status import queue_line
@@ -113,24 +112,8 @@ pytestmark_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates users an
 def clab(sim):
     """Two users of our own (gmdcarol, gmddave), the package where they can read it, the job script and
     the client's config; all removed afterwards."""
-    base = Path(tempfile.mkdtemp(prefix="gpu-mon-conv-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    users = []
-    try:
-        carol = _make_user("gmdcarol", base)
-        users.append(carol)
-        dave = _make_user("gmddave", base)
-        users.append(dave)
-        code, job, conf = lab_files(base, JOB)
-        marker = f"gmd-{os.getpid()}-{time.monotonic_ns()}"
-        run_dir = base / "run"
-        yield Lab(base, code, job, conf, run_dir / "queue.sock", base / "queue.sqlite", carol, dave, marker)
-    finally:
-        kill_marked(locals().get("marker", "never-a-marker"))
-        for u in users:
-            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only the test's users
-            subprocess.run(["userdel", "-r", u.name], capture_output=True)
-        subprocess.run(["rm", "-rf", str(base)], capture_output=True)
+    with made_lab("gmd", ("gmdcarol", "gmddave"), JOB) as lab:
+        yield lab
 
 
 def _root(lab: Lab) -> User:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import foreign_opener_cmd, wait_for
+from conftest import foreign_open, wait_for
 from test_queue import PY, Lab, lab, queue_body  # noqa: F401  (lab: the fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
@@ -88,11 +87,8 @@ def test_a_preempted_job_s_log_says_so_and_jobs_and_status_keep_it(lab: Lab, dae
     d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0.3})
     wait_for(lab.socket.exists, 20, "the queue's socket")
     job_id = lab.submit(lab.alice, "--stop-signal", "USR1", *lab.job_cmd("ckpt"))
-    lab.wait_state(lab.alice, job_id, "running")
-    wait_for(lambda: lab.reports(lab.alice, job_id), 20, "the job's first report")
-    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+    lab.wait_running(lab.alice, job_id)
+    with foreign_open(sim.device(0)):
         job = lab.wait_state(lab.alice, job_id, "queued")
         log = _default_log(lab.alice.home, job_id).read_text()
         at = r"\d\d:\d\d:\d\d"
@@ -102,9 +98,6 @@ def test_a_preempted_job_s_log_says_so_and_jobs_and_status_keep_it(lab: Lab, dae
         assert job["preempted"] and re.fullmatch(by, job["preempted_reason"])
         r = lab.run(lab.alice, "jobs", "--all")
         assert f"last preempted at {job['preempted'][11:19]}: GPU 0 (GPU-" in r.stdout
-    finally:
-        opener.kill()
-        opener.wait()
     done = lab.wait_state(lab.alice, job_id, "done")
     assert done["preempted"] == job["preempted"]  # kept after the job ran again and ended
     texts = lambda: [e["text"] for e in d.state().get("decisions", [])]  # noqa: E731

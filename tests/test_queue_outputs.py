@@ -4,22 +4,18 @@ preemption by a foreign open, the real endpoint checked by promtool, and a histo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import GPU_MON, foreign_opener_cmd, kill_marked, wait_for
+from conftest import GPU_MON, foreign_open, wait_for
 from test_metrics import free_port, promtool_check, scrape, value
-from test_queue import Lab, _make_user, lab_files, queue_body
+from test_queue import Lab, made_lab, queue_body
 
 from gpu_mon.api import historydb
 from gpu_mon.queue import jobs as J
@@ -52,22 +48,8 @@ say("end")
 @pytest.fixture
 def lab(sim):
     """Two users of this file's own (gmqcarol, gmqdan), the package where they can read it, the job."""
-    base = Path(tempfile.mkdtemp(prefix="gpu-mon-qout-", dir="/tmp"))
-    os.chmod(base, 0o755)
-    users = []
-    marker = f"gmqout-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        users.append(_make_user("gmqcarol", base))
-        users.append(_make_user("gmqdan", base))
-        code, job, conf = lab_files(base, JOB)
-        yield Lab(base, code, job, conf, base / "run" / "queue.sock", base / "q.sqlite", *users, marker)
-    finally:
-        with contextlib.suppress(Exception):
-            kill_marked(marker)
-        for u in users:
-            subprocess.run(["pkill", "-KILL", "-u", u.name], capture_output=True)  # only this test's users
-            subprocess.run(["userdel", "-r", u.name], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+    with made_lab("gmqout", ("gmqcarol", "gmqdan"), JOB) as made:
+        yield made
 
 
 def runs(lab: Lab, user, job_id: int) -> List[dict]:
@@ -160,15 +142,10 @@ def test_status_history_report_and_metrics_follow_jobs_through_a_preemption(lab,
     # someone else opens GPU 0: job A is preempted, and comes back when the GPU is let go
     wait_for(lambda: runs(lab, carol, a), 20, "job A's first run")
     ran_for(runs(lab, carol, a), 2.0)
-    opener = subprocess.Popen(foreign_opener_cmd(sim.device(0)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert opener.stdout is not None and opener.stdout.readline() == "open\n"
+    with foreign_open(sim.device(0)):
         d.wait_log(r"busy: root .*; stopping job 1")
         assert lab.wait_state(carol, a, "queued")["restarts"] == 1
         wait_for(lambda: "busy" in lab.jobs(carol)[a]["reason"], 10, "A waiting for the busy GPU")
-    finally:
-        opener.kill()
-        opener.wait()
     lab.wait_state(carol, a, "running")
     wait_for(lambda: len(runs(lab, carol, a)) == 3, 20, "A's second run")
     doc = wait_for(lambda: (s := json.loads(status(d, "--json").stdout))["gpus"][0]["job"] and s, 10)

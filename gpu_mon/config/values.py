@@ -266,23 +266,22 @@ def _is_ip(text: str, family: int) -> bool:
 
 def count(value: str) -> int:
     """A whole number, 1 or more."""
-    try:
-        number = int(value.strip())
-    except ValueError:
-        raise ValueError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise ValueError(f"must be 1 or more, not {number}")
-    return number
+    return _at_least(value, 1, "1 or more")
 
 
 def limit(value: str) -> int:
     """A whole number, 0 (no limit) or more."""
+    return _at_least(value, 0, "0 (no limit) or more")
+
+
+def _at_least(value: str, least: int, words: str) -> int:
+    """A whole number, `least` or more (`words` says so in the error)."""
     try:
         number = int(value.strip())
     except ValueError:
         raise ValueError(f"{value!r} is not a whole number") from None
-    if number < 0:
-        raise ValueError(f"must be 0 (no limit) or more, not {number}")
+    if number < least:
+        raise ValueError(f"must be {words}, not {number}")
     return number
 
 
