@@ -37,7 +37,7 @@ from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.idlecommand import IdleCommands
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.openers import Openers
-from gpu_mon.engine.opens import OpenWatch
+from gpu_mon.engine.opens import OpenRetry, OpenWatch, retry_for
 from gpu_mon.engine.queue import PREFIX as JOB_PREFIX
 from gpu_mon.engine.queue import Queue, queue_gpus
 from gpu_mon.engine.reload import Reloader
@@ -119,6 +119,7 @@ class Daemon:
         # those jobs, or every GPU, are busy: commands/occupy_queue.py)
         self.queue_jobs: Optional[Callable[[], Tuple[Tuple[QueueJob, ...], str]]] = None
         self.deferred_full: Optional[float] = None
+        self.open_retry: Optional[OpenRetry] = None  # an open no scan explained yet: looked at again soon
         self.owed: Optional[str] = None  # a scan that paused for an open: it goes on once that is handled
         self.every_next = False  # the next full scan reads every process (see Observer.scan)
         self.queue: Optional[Queue] = None  # [queue]: users' jobs (engine/queue.py)
@@ -154,6 +155,7 @@ class Daemon:
             deadlines = (
                 self.next_poll,
                 self.deferred_full,
+                self.open_retry.at if self.open_retry else None,
                 owed,
                 self.supervisor.next_deadline(self.clock()),
             )
@@ -295,6 +297,9 @@ class Daemon:
             self.wake_by_open = True
             self._on_open(opened, now)
             ran = True
+        elif self.open_retry is not None and now >= self.open_retry.at:
+            self._retry_open(now)
+            ran = True
         if self.owed is not None:
             self._go_on(now)
         elif now >= self.next_poll or self.full_scan_requested:
@@ -367,7 +372,8 @@ class Daemon:
         """
         uuids = {self.observer.watch_targets().get(path) for path in opened}
         before = self.openers.before()
-        explained = self._explained("first", uuids, self.opens.openers())
+        named = self.opens.openers()
+        explained = self._explained("first", uuids, named)
         if not self.observer.scan_complete:  # a foreign holder of an opened GPU: it is yielded to first
             self._yield_first(now)
             if self.sent_first:  # (its handler runs now, even where other processes hold every core)
@@ -375,6 +381,7 @@ class Daemon:
             explained = self._explained("changed", uuids, polite=bool(self.sent_first)) or explained
         for uuid in self.openers.note(uuids, before, now):  # a process we cannot read opened it: at once
             log.debug("open of %s by a process whose files cannot be read", uuid)
+        self.open_retry = None if explained else retry_for(uuids, named, now)
         if explained:
             self._round(now, scan=None)
             # Explained by *a* new holder, which may only have inherited the descriptor (a fork) while the
@@ -385,11 +392,24 @@ class Daemon:
             # Every process's every fd table; if even that does not explain it, memory maps too (a process
             # that opened, mapped and closed the node between two looks).
             self.last_event_full = now
-            self._round(now, scan=None if self._explained("fds", uuids) else "full")
+            found = self._explained("fds", uuids)
+            if found:
+                self.open_retry = None
+            self._round(now, scan=None if found else "full")
         else:
             self._round(now, scan=None)
             if self.deferred_full is None:
                 self.deferred_full = self.last_event_full + _EVENT_FULL_SCAN_GAP
+
+    def _retry_open(self, now: float) -> None:
+        """An open no scan explained, looked at again: its openers and the processes that changed."""
+        retry, self.open_retry = self.open_retry, None
+        assert retry is not None
+        if self._explained("first", set(retry.uuids), retry.openers):
+            log.debug("an open of %d GPU(s) explained on look %d", len(retry.uuids), retry.step + 2)
+            self._round(now, scan=None)
+        else:
+            self.open_retry = retry.later(now)
 
     def _explained(
         self, scan: str, uuids: Set[Optional[str]], openers: Iterable[int] = (), polite: bool = False

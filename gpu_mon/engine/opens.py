@@ -7,14 +7,45 @@ read explains an open, and keeps the opens no readable process explains (a plain
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Callable, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Callable, FrozenSet, List, Optional, Set, Tuple
 
 from gpu_mon.api.observe import Observer
 from gpu_mon.engine.fanotify import Fanotify
 from gpu_mon.engine.inotify import Inotify
 
 log = logging.getLogger("gpu_mon")
+
+# The kernel reports an open (inotify, fanotify) before the new descriptor is in the opener's fd table
+# (fsnotify_open runs in the open itself, fd_install after it returns): a scan on the event can come too
+# early, most of all when the opener loses its core in between. An open no scan explained is looked at again
+# after each of these delays (seconds, from the one before); it used to wait for the next poll, up to
+# interval_seconds: one open in twenty was taken up a second late on a loaded machine.
+RETRY_DELAYS = (0.002, 0.01, 0.03, 0.1, 0.25, 0.6)
+
+
+@dataclass(frozen=True)
+class OpenRetry:
+    """An open no scan has explained yet: which GPUs, the openers fanotify named, and the next look."""
+
+    at: float
+    uuids: FrozenSet[Optional[str]]
+    openers: Tuple[int, ...]
+    step: int = 0
+
+    def later(self, now: float) -> Optional[OpenRetry]:
+        """The next look, or None when every delay has been used (polls and full scans go on as ever)."""
+        step = self.step + 1
+        if step >= len(RETRY_DELAYS):
+            return None
+        return dataclasses.replace(self, at=now + RETRY_DELAYS[step], step=step)
+
+
+def retry_for(uuids: Set[Optional[str]], openers: Tuple[int, ...], now: float) -> OpenRetry:
+    """The first look again at an open no scan explained."""
+    return OpenRetry(now + RETRY_DELAYS[0], frozenset(uuids), openers)
 
 
 class OpenWatch:
