@@ -1,0 +1,136 @@
+"""[slurm]: a GPU that Slurm has allocated to a job is that job's before its processes open it.
+
+The pure parts (what `scontrol show job -d -o` says, gres.conf, index -> UUID) with hostile and odd texts;
+then a real one-node Slurm (slurmcluster.py) with gpu-mon on simulated GPUs that are its GRES devices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import UUIDS
+
+from gpu_mon.slurm import alloc as A
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# One line per job, as Debian's Slurm 22.05 prints `scontrol show job -d -o` (shortened).
+RUNNING = (
+    "JobId=42 JobName=train UserId=alice(1001) GroupId=alice(1001) JobState=RUNNING Reason=None "
+    "NodeList=node3 BatchHost=node3 JOB_GRES=gpu:1 Nodes=node3 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:1) "
+    "Partition=normal Command=/home/alice/run it.sh TresPerNode=gres:gpu:1"
+)
+
+
+@pytest.mark.parametrize(
+    "gres, want",
+    [
+        ("gpu:1(IDX:1)", (1,)),
+        ("gpu:3(IDX:0-1,3)", (0, 1, 3)),
+        ("gpu:a100:2(IDX:2-3)", (2, 3)),
+        ("gpu(IDX:0)", (0,)),  # (older Slurm)
+        ("gpu:a100:1(IDX:0),gpu:v100:1(IDX:4)", (0, 4)),
+        ("mps:50(0/100),gpu:1(IDX:2)", (2,)),
+        ("", ()),
+        ("(null)", ()),
+        ("mps:100", ()),
+        ("gpu:0", ()),
+        ("gpu:1", None),  # GPUs, but not which: unknown
+        ("gpu:1(IDX:N/A)", None),
+        ("gpu:1(IDX:5-2)", None),
+        ("gpu:1(IDX:0-99999999)", None),
+    ],
+)
+def test_a_nodes_gres_words_give_its_gpu_indices(gres, want):
+    assert A.indices(gres) == want
+
+
+def test_hostlists_and_device_ranges_expand():
+    assert A.expand("node[01-03,7],gpu5") == ["node01", "node02", "node03", "node7", "gpu5"]
+    assert A.expand("/dev/nvidia[0-1]") == ["/dev/nvidia0", "/dev/nvidia1"]
+    for bad in ("node[1-", "n[a-b]", "n]", "n[0-99999999]"):
+        with pytest.raises(ValueError):
+            A.expand(bad)
+
+
+def test_running_jobs_allocations_by_node():
+    two_nodes = (
+        "JobId=43 UserId=bob(1002) JobState=RUNNING NodeList=node[4-5] "
+        "Nodes=node4 CPU_IDs=0 Mem=0 GRES=gpu:2(IDX:0-1) Nodes=node5 CPU_IDs=1 Mem=0 GRES=gpu:1(IDX:3)"
+    )
+    pending = "JobId=44 UserId=carol(1003) JobState=PENDING NodeList=(null)"
+    done = RUNNING.replace("JobId=42", "JobId=45").replace("RUNNING", "COMPLETED")
+    no_gres = "JobId=46 UserId=dave(1004) JobState=RUNNING Nodes=node3 CPU_IDs=0 Mem=0 GRES="
+    got = A.parse_allocations("\n".join((RUNNING, two_nodes, pending, done, no_gres, "garbage=1", "")))
+    assert got == (
+        A.Allocated(42, "alice", "node3", (1,)),
+        A.Allocated(43, "bob", "node4", (0, 1)),
+        A.Allocated(43, "bob", "node5", (3,)),
+    )
+    same = "JobId=47 UserId=e(1) JobState=SUSPENDED Nodes=n[1-2] CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0)"
+    assert [(a.node, a.indices) for a in A.parse_allocations(same)] == [("n1", (0,)), ("n2", (0,))]
+    assert A.parse_allocations("slurm_load_jobs error: Unable to contact slurm controller") == ()
+
+
+def test_a_job_name_can_only_make_more_gpus_taken():
+    # A name that says PENDING does not hide the running job's GPU (every JobState word is read) ...
+    hiding = RUNNING.replace("JobName=train", "JobName=x JobState=PENDING")
+    assert [a.indices for a in A.parse_allocations(hiding)] == [(1,)]
+    # ... and one that imitates a detail adds a GPU, never removes the real one.
+    adding = RUNNING.replace("JobName=train", "JobName=x Nodes=node3 GRES=gpu:1(IDX:0)")
+    assert sorted(a.indices for a in A.parse_allocations(adding)) == [(0,), (1,)]
+
+
+GRES_CONF = """\
+# the lab's GPUs
+AutoDetect=off
+NodeName=node[3-4] Name=gpu Type=a100 File=/dev/nvidia[0-1]  # two each
+NodeName=node3 Name=gpu File=/dev/nvidia2
+nodename=node9 name=mps Count=100
+"""
+
+
+def test_gres_conf_gives_each_nodes_gpu_files_in_order():
+    conf = A.parse_gres_conf(GRES_CONF)
+    assert conf.files("node3") == ("/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2")
+    assert conf.files("node4") == ("/dev/nvidia0", "/dev/nvidia1") and conf.files("node9") == ()
+    assert conf.problem == ""
+    anywhere = A.parse_gres_conf("Name=gpu File=/dev/nvidia[0-1]\n")
+    assert anywhere.files("any") == ("/dev/nvidia0", "/dev/nvidia1")
+    assert "AutoDetect=nvml" in A.parse_gres_conf("AutoDetect=nvml\nName=gpu Count=2\n").problem
+    assert "without File=" in A.parse_gres_conf("NodeName=n Name=gpu Count=2\n").problem
+    assert "cannot read" in A.read_gres_conf("/nonexistent/gres.conf").problem
+    assert A.gres_conf_path({"SLURM_CONF": "/x/slurm.conf"}) == "/x/gres.conf"
+    assert A.gres_conf_path({}) == "/etc/slurm/gres.conf"
+
+
+def test_an_index_is_mapped_to_this_hosts_gpu_by_its_device_node():
+    ids = {"/dev/nvidia0": (195, 0), "/dev/nvidia1": (195, 1), "/dev/nvidia2": (195, 2)}
+    gpu_ids = {(195, 1): UUIDS[1], (195, 2): UUIDS[0]}
+    conf = A.parse_gres_conf(GRES_CONF)
+    allocs = (*A.parse_allocations(RUNNING), A.Allocated(50, "bob", "node3", (2,)))
+    allocs += (A.Allocated(51, "carol", "node4", (1,)),)  # another host's GPU 1: the same path
+    got, problems = A.mapped(allocs, conf, {"node3"}, gpu_ids, ids.get)
+    assert got == {UUIDS[1]: (42, "alice"), UUIDS[0]: (50, "bob")} and problems == []
+    # An index gres.conf does not have, or a device node that is none of this host's GPUs: said.
+    got, problems = A.mapped((A.Allocated(52, "d", "node3", (0, 7)),), conf, {"node3"}, gpu_ids, ids.get)
+    assert got == {} and len(problems) == 2 and "GPU index 7" in problems[1]
+    got, problems = A.mapped((A.Allocated(53, "d", "node3", None),), conf, {"node3"}, gpu_ids, ids.get)
+    assert got == {} and "does not say which GPUs" in problems[0]
+    # Several slurmd on one host: a node whose device nodes no other node names is this host's.
+    conf2 = A.parse_gres_conf("NodeName=nodea Name=gpu File=/d/a0\nNodeName=nodeb Name=gpu File=/d/b0\n")
+    ids2 = {"/d/a0": (1, 10), "/d/b0": (1, 11)}
+    got, _ = A.mapped((A.Allocated(54, "e", "nodeb", (0,)),), conf2, set(), {(1, 11): UUIDS[1]}, ids2.get)
+    assert got == {UUIDS[1]: (54, "e")}
+
+
+def test_identity_is_a_char_devices_numbers_or_a_files_inode(tmp_path):
+    f = tmp_path / "stand-in"
+    f.write_text("")
+    st = os.stat(f)
+    assert A.identity(str(f)) == (st.st_dev, st.st_ino)
+    assert A.identity("/dev/null") == (os.stat("/dev/null").st_rdev,)
+    assert A.identity(str(tmp_path / "nothing")) is None
