@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import pytest
 from conftest import UUIDS
+from test_policy import RULES, U0, U1, config, snap
 
+from gpu_mon.api.model import Running, SlurmJob
+from gpu_mon.engine import gpustate, policy, words
+from gpu_mon.engine.decisions import Busy, PolicyState, Stop, Verdict
 from gpu_mon.slurm import alloc as A
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -134,3 +139,22 @@ def test_identity_is_a_char_devices_numbers_or_a_files_inode(tmp_path):
     assert A.identity(str(f)) == (st.st_dev, st.st_ino)
     assert A.identity("/dev/null") == (os.stat("/dev/null").st_rdev,)
     assert A.identity(str(tmp_path / "nothing")) is None
+
+
+# ---------------------------------------------------------------------------------------------- the policy
+
+
+def test_an_allocated_gpu_is_busy_and_a_workload_there_yields_at_once():
+    s = snap(slurm_jobs=(SlurmJob(42, "alice", (U1,)),))
+    busy, reasons = policy.gpu_verdict(U1, RULES, s, {})
+    assert busy and [(r.kind, r.job) for r in reasons] == [(Busy.SLURM_JOB, 42)]
+    assert words.reason(reasons[0]) == "Slurm has allocated it to job 42 of alice"
+    assert not policy.gpu_verdict(U0, RULES, s, {})[0]
+    assert gpustate.gpu_state(Verdict(U1, True, tuple(reasons)), None, False)[0] == "foreign"
+    c = config()
+    plan = policy.resolve(c, s.reading.gpus)
+    d = policy.decide(c, plan, dataclasses_replace(s, running=(Running("m", 900, 50.0),)), PolicyState())
+    assert [a.key for a in d.actions if isinstance(a, Stop)] == ["m"]  # (urgent: a foreign reason)
+    # Not read yet: every GPU is busy until Slurm's first answer.
+    unknown = snap(slurm_unknown="no answer from scontrol yet")
+    assert [r.kind for r in policy.gpu_verdict(U0, RULES, unknown, {})[1]] == [Busy.SLURM_UNKNOWN]

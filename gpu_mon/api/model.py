@@ -148,6 +148,16 @@ class QueueJob:
 
 
 @dataclass(frozen=True)
+class SlurmJob:
+    """A job that Slurm has allocated GPUs of this host to (the daemon's [slurm]): they are taken, whether
+    or not its processes have opened them yet."""
+
+    job: int
+    user: str
+    gpus: Tuple[str, ...]  # UUIDs
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One complete look at the host, as the policy sees it."""
 
@@ -166,6 +176,10 @@ class Snapshot:
     # every GPU counts as busy); the daemon itself leaves both empty (its own jobs are its own)
     queue_jobs: Tuple[QueueJob, ...] = ()
     queue_unknown: str = ""
+    # [slurm]: the jobs Slurm has allocated GPUs of this host to, and why they are not known yet (then every
+    # GPU counts as busy)
+    slurm_jobs: Tuple[SlurmJob, ...] = ()
+    slurm_unknown: str = ""
 
     def gpu(self, uuid: str) -> Optional[Gpu]:
         """The GPU with this UUID in this look, or None."""

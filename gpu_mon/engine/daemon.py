@@ -504,6 +504,9 @@ class Daemon:
         if self.queue_jobs is not None:
             jobs, unknown = self.queue_jobs()
             snap = dataclasses.replace(snap, queue_jobs=jobs, queue_unknown=unknown)
+        if self.slurm is not None:  # GPUs Slurm has allocated: its jobs', opened or not
+            jobs_, unknown = self.slurm.allocations()
+            snap = dataclasses.replace(snap, slurm_jobs=jobs_, slurm_unknown=unknown)
         if quick:
             return dataclasses.replace(snap, ttys=self.report.snapshot.ttys if self.report else ())
         return self.queue.take_jobs(snap) if self.queue is not None else snap

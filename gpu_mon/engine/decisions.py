@@ -129,6 +129,10 @@ class Busy:
     # queue's jobs cannot be known (detail: why)
     QUEUE_JOB = "queue_job"
     QUEUE_UNKNOWN = "queue_unknown"
+    # [slurm]: Slurm has allocated the GPU to a job (job; who: its user, name `Slurm job N`, pid 0), or
+    # Slurm's allocations have not been read yet (detail: why)
+    SLURM_JOB = "slurm_job"
+    SLURM_UNKNOWN = "slurm_unknown"
 
 
 @dataclass(frozen=True)

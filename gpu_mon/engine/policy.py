@@ -231,6 +231,17 @@ def _queue_reasons(uuid: str, snap: Snapshot) -> List[Reason]:
     ]
 
 
+def _slurm_reasons(uuid: str, snap: Snapshot) -> List[Reason]:
+    """[slurm]: Slurm has allocated the GPU to a job, or its allocations are not known yet."""
+    if snap.slurm_unknown:
+        return [Reason(Busy.SLURM_UNKNOWN, detail=snap.slurm_unknown)]
+    return [
+        Reason(Busy.SLURM_JOB, who=Who(j.user, f"Slurm job {j.job}", 0), job=j.job)
+        for j in snap.slurm_jobs
+        if uuid in j.gpus
+    ]
+
+
 def gpu_verdict(
     uuid: str,
     rules: GpuSection,
@@ -246,6 +257,7 @@ def gpu_verdict(
         return True, [Reason(Busy.MISSING)]
     reasons = _unsure(uuid, snap, rules)
     reasons += _queue_reasons(uuid, snap)
+    reasons += _slurm_reasons(uuid, snap)
     reasons += _holder_reasons(uuid, rules, snap, first_seen)
     reasons += _unseen_reasons(uuid, rules, snap, unseen_seconds)
     reasons += _nvml_reasons(uuid, rules, snap)

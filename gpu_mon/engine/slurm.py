@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Counter, Dict, List, Mapping, Optional, Tuple
 
-from gpu_mon.api.model import Holder, Snapshot
+from gpu_mon.api.model import Holder, SlurmJob, Snapshot
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import GpuSection, SlurmSection
 from gpu_mon.engine import words
 from gpu_mon.engine.policy import ignored
+from gpu_mon.slurm import alloc as AL
 from gpu_mon.slurm import control as C
 from gpu_mon.slurm import owed as O
 from gpu_mon.slurm.decide import Act, Use, decide, gpus_of_jobs
@@ -46,6 +48,9 @@ PEEK_SECONDS, PEEK_SLOW_SECONDS, PEEK_FAST_FOR, PEEK_FOR = 0.05, 1.0, 5.0, 300.0
 # A job kept off this node that runs elsewhere when its time is up keeps the exclusion (Slurm changes the
 # excluded nodes of pending jobs only): looked at again this often, lifted once it is pending.
 LIFT_RETRY_SECONDS = 30.0
+# How often Slurm's allocations are read (`scontrol show job -d -o`: every job of the cluster, one call to
+# slurmctld, as a `squeue` would), and at once after each action gpu-mon asked Slurm for.
+ALLOC_SECONDS = 5.0
 _ENDED = (
     "COMPLETED",
     "CANCELLED",
@@ -106,6 +111,15 @@ class Slurm:
         self.peeking: set = set()
         self.record = record  # owed.py's file ("": none kept)
         self.owed: Dict[int, O.Owed] = {}
+        # Slurm's allocations: {UUID: (job, user)} as last read (kept while Slurm cannot be read: a job
+        # that Slurm cannot see end stays on its GPUs); unknown until the first read has answered.
+        self.allocated: Dict[str, Tuple[int, str]] = {}
+        self.alloc_known = False
+        self.alloc_next = 0.0
+        self.alloc_asking = False
+        self.alloc_said = False  # the one line for allocations that cannot be mapped
+        self.gpu_ids: Dict[Tuple[int, ...], str] = {}  # device node's identity -> UUID
+        self.devices: Tuple[Tuple[str, str], ...] = ()
         if record:
             self._recover()
 
@@ -137,10 +151,11 @@ class Slurm:
         by_open: bool,
     ) -> None:
         now = self.clock()
+        self._devices(snap)
         self.take_results()
         uses = self._uses(snap, rules)
         self.on_gpus = {j: tuple(sorted(g)) for j, g in gpus_of_jobs(uses).items()}
-        for job in self.on_gpus:
+        for job in {*self.on_gpus, *(j for j, _u in self.allocated.values())}:
             self.seen[job] = now
             if job not in self.jobs and job not in self.looking:
                 self._lookup(job, now)
@@ -167,6 +182,10 @@ class Slurm:
                 del self.lifts[job]
                 argv = (self.rule.scontrol, "show", "job", "-o", str(job))
                 self.control.submit(C.Call(job, "lift-look", (argv,), now))
+        if now >= self.alloc_next and not self.alloc_asking:
+            self.alloc_asking = True
+            argv = (self.rule.scontrol, "show", "job", "-d", "-o")
+            self.control.submit(C.Call(0, "allocations", (argv,), now))
         for job, (due, _first, _end) in list(self.peeks.items()):
             if now >= due and job not in self.peeking:
                 self.peeking.add(job)
@@ -192,6 +211,7 @@ class Slurm:
         """When `tick` has something to do."""
         due = [a.due for a in self.acting.values() if a.stage in ("signal", "retry")]
         due += list(self.lifts.values())
+        due += [] if self.alloc_asking else [self.alloc_next]
         due += [d for j, (d, _f, _e) in self.peeks.items() if j not in self.peeking]
         return min(due, default=None)
 
@@ -294,6 +314,8 @@ class Slurm:
             self._reachable(r)
             if r.call.kind == "lookup":
                 self._looked_up(r)
+            elif r.call.kind == "allocations":
+                self._allocations(r)
             elif r.call.kind in ("lift-look", "lift"):
                 self._lifting(r)
             elif r.call.kind == "peek":
@@ -350,6 +372,7 @@ class Slurm:
             log.info("slurm: job %d: %s: the job has ended (%s)", job, kind, r.error)
         elif r.result == C.FAILED and not a.failed:
             log.warning("slurm: job %d: %s failed: %s; trying again each round", job, kind, r.error)
+        self.alloc_next = min(self.alloc_next, self.clock())  # (what Slurm does next is read at once)
         if kind == "signal":
             return  # the action follows when the grace is over (tick)
         if r.result in (C.OK, C.GONE):
@@ -362,24 +385,86 @@ class Slurm:
             a.stage, a.due = "retry", self.clock() + RETRY_SECONDS  # again, if the use goes on
             a.failed = a.failed or r.result == C.FAILED
 
+    # ------------------------------------------------------------------ allocations
+
+    def allocations(self) -> Tuple[Tuple[SlurmJob, ...], str]:
+        """(The jobs Slurm has allocated GPUs of this host to, why they are not known yet) for the
+        snapshot."""
+        if not self.alloc_known:
+            return (), "no answer from scontrol yet"
+        by_job: Dict[Tuple[int, str], List[str]] = {}
+        for uuid, key in sorted(self.allocated.items()):
+            by_job.setdefault(key, []).append(uuid)
+        return tuple(SlurmJob(j, u, tuple(g)) for (j, u), g in sorted(by_job.items())), ""
+
+    def _devices(self, snap: Snapshot) -> None:
+        """Each GPU's device node by what names it (looked at again when the GPUs' nodes change)."""
+        devices = tuple(sorted((g.device, g.uuid) for g in snap.reading.gpus if g.device and g.uuid))
+        if devices and devices != self.devices:
+            self.devices = devices
+            self.gpu_ids = {}
+            for path, uuid in devices:
+                key = AL.identity(path)
+                if key is not None:
+                    self.gpu_ids[key] = uuid
+
+    def _allocations(self, r: C.Result) -> None:
+        """Slurm's answer: the GPUs of this host it allocated, by job. A failed read keeps the last answer
+        (a job Slurm cannot be asked about stays on its GPUs); a first read that fails leaves the GPUs to
+        what is observed (Slurm that cannot be reached starts no job here either), said once."""
+        self.alloc_asking = False
+        self.alloc_next = self.clock() + ALLOC_SECONDS
+        if r.result != C.OK:
+            if not self.alloc_known:
+                self.alloc_known = True
+                log.warning(
+                    "slurm: cannot read Slurm's allocations (%s): GPUs count as Slurm's only when its jobs "
+                    "use them, until it answers",
+                    r.error,
+                )
+            return
+        allocs = AL.parse_allocations(r.output)
+        here = {self.node} | {m.node for m in self.members.cache.values() if m is not None and m.node}
+        conf = AL.read_gres_conf(AL.gres_conf_path(os.environ))
+        self.allocated, problems = AL.mapped(allocs, conf, here, self.gpu_ids)
+        self.alloc_known = True
+        if problems and not self.alloc_said:
+            self.alloc_said = True
+            log.warning(
+                "slurm: cannot tell which GPU Slurm allocated (%s%s): such GPUs count as Slurm's only when "
+                "its jobs use them (said once)",
+                sanitize(problems[0]),
+                f"; {len(problems) - 1} more" if len(problems) > 1 else "",
+            )
+
     # ------------------------------------------------------------------ outputs
 
     def report(self) -> SlurmReport:
         """The Slurm side of the round, for status, history and metrics (actions finished since the last)."""
         preemptible = Preemptible(self.rule.preemptible_partitions, self.rule.preemptible_qos)
         jobs = []
-        for job, gpus in sorted(self.on_gpus.items()):
+        allocated: Dict[int, List[str]] = {}
+        users: Dict[int, str] = {}
+        for uuid, (job, user) in sorted(self.allocated.items()):
+            allocated.setdefault(job, []).append(uuid)
+            users[job] = user
+        on = {j: set(g) for j, g in self.on_gpus.items()}
+        for job, uuids in allocated.items():
+            on.setdefault(job, set()).update(uuids)
+        for job, gpus_ in sorted(on.items()):
+            gpus = tuple(sorted(gpus_))
             info = self.jobs.get(job)
             a = self.acting.get(job)
             jobs.append(
                 JobOnGpus(
                     job=job,
-                    user=info.user if info else "?",
+                    user=info.user if info else users.get(job, "?"),
                     partition=info.partition if info else "",
                     qos=info.qos if info else "",
                     preemptible=preemptible(info) if info else None,
                     gpus=gpus,
                     doing=_doing(a, self.rule.action),
+                    allocated=tuple(allocated.get(job, ())),
                 )
             )
         done, self.done = tuple(self.done), []

@@ -57,6 +57,10 @@ def reason(r: Reason) -> str:
         return f"runs queue job {r.job} of {sanitize(r.who.user)}"
     if r.kind == Busy.QUEUE_UNKNOWN:
         return f"the queue's running jobs cannot be known: {sanitize(r.detail)}"
+    if r.kind == Busy.SLURM_JOB and r.who is not None:
+        return f"Slurm has allocated it to job {r.job} of {sanitize(r.who.user)}"
+    if r.kind == Busy.SLURM_UNKNOWN:
+        return f"Slurm's allocations are not known yet: {sanitize(r.detail)}"
     if r.kind == Busy.MEMORY:
         return f"{r.mib} MiB used by others (more than busy_memory_mib = {r.limit_mib})"
     return r.kind

@@ -134,7 +134,7 @@ def with_slurm(doc: dict, report: SlurmReport) -> dict:
             "doing": j.doing,
         }
         for uuid in j.gpus:
-            on.setdefault(uuid, []).append(entry)
+            on.setdefault(uuid, []).append(dict(entry, allocated=uuid in j.allocated))
     for g in doc["gpus"]:
         g["slurm_jobs"] = on.get(g.get("uuid") or "", [])
     doc["slurm"] = {
@@ -150,6 +150,7 @@ def slurm_job_words(job: dict) -> str:
     kind = {True: "preemptible", False: "not preemptible", None: "not described by Slurm yet"}
     qos = f", QOS {sanitize(str(job['qos']))}" if job.get("qos") else ""
     doing = f" ({job['doing']})" if job.get("doing") else ""
+    doing += ", allocated by Slurm" if job.get("allocated") else ""
     part = sanitize(str(job.get("partition") or "?"))
     user = sanitize(str(job.get("user")))
     return f"Slurm job {job['id']} {user}, partition {part}{qos}, {kind[job.get('preemptible')]}{doing}"

@@ -17,6 +17,7 @@ class JobOnGpus:
     preemptible: Optional[bool]  # None: Slurm has not described the job yet
     gpus: Tuple[str, ...]  # UUIDs
     doing: str = ""  # what gpu-mon asked of Slurm for it: "", signalled, requeue, cancel, requeued, ...
+    allocated: Tuple[str, ...] = ()  # UUIDs of the GPUs among `gpus` that Slurm allocated to it
 
 
 @dataclass(frozen=True)
