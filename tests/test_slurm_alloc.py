@@ -7,20 +7,19 @@ then a real one-node Slurm (slurmcluster.py) with gpu-mon on simulated GPUs that
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import replace as dataclasses_replace
-from pathlib import Path
 
 import pytest
-from conftest import UUIDS
+from conftest import UUIDS, wait_for, workload_cmd
 from test_policy import RULES, U0, U1, config, snap
+from test_slurm import _section, cluster, slurm  # noqa: F401  (the real Slurm's fixtures)
 
 from gpu_mon.api.model import Running, SlurmJob
 from gpu_mon.engine import gpustate, policy, words
 from gpu_mon.engine.decisions import Busy, PolicyState, Stop, Verdict
 from gpu_mon.slurm import alloc as A
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # One line per job, as Debian's Slurm 22.05 prints `scontrol show job -d -o` (shortened).
 RUNNING = (
@@ -158,3 +157,45 @@ def test_an_allocated_gpu_is_busy_and_a_workload_there_yields_at_once():
     # Not read yet: every GPU is busy until Slurm's first answer.
     unknown = snap(slurm_unknown="no answer from scontrol yet")
     assert [r.kind for r in policy.gpu_verdict(U0, RULES, unknown, {})[1]] == [Busy.SLURM_UNKNOWN]
+
+
+# ---------------------------------------------------------------------------------------------- a real Slurm
+
+
+def _allocated_entry(d, job: int, gpu: int):
+    for j in (d.state().get("gpus") or [{}] * 2)[gpu].get("slurm_jobs", []):
+        if j["id"] == job and j.get("allocated"):
+            return j
+    return None
+
+
+def test_a_job_allocated_a_gpu_it_has_not_opened_keeps_our_workload_off_it(
+    slurm,  # noqa: F811
+    daemon_factory,
+    tmp_path,
+):
+    body = _section() + f"[process-miner]\ncmd = {workload_cmd(tmp_path)}\ngpus = 0\nuser = root\n"
+    d = daemon_factory(body, env=slurm.env)
+    d.wait_running("miner")
+    # A normal job given one GPU (Slurm's first free one: index 0, GPU 0) that sleeps without opening it.
+    r = slurm.run(
+        "sbatch", "--parsable", "--partition=normal", "--gres=gpu:1", f"--chdir={slurm.dir}",
+        f"--output={slurm.dir / 'jobs' / 'slurm-%j.out'}", "--wrap=exec sleep 600",
+    )  # fmt: skip
+    job = int(r.stdout.strip().split(";")[0])
+    wait_for(lambda: slurm.job(job).get("JobState") == "RUNNING", 30, "the job running")
+    assert "IDX:0" in slurm.job(job)["GRES"], slurm.job(job)
+    d.wait_log(rf"GPU 0 .*busy: Slurm has allocated it to job {job} of root; stopping miner")
+    entry = wait_for(lambda: _allocated_entry(d, job, 0), 20, f"job {job} on GPU 0 in the state")
+    assert entry["user"] == "root" and entry["partition"] == "normal" and entry["preemptible"] is False
+    wait_for(lambda: d.workload("miner").get("state") not in ("running", "stopping"), 20, "the miner gone")
+    status = subprocess.run(
+        [sys.executable, "-m", "gpu_mon", "--config", str(d.config_path), "status"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert f"Slurm has allocated it to job {job} of root" in status
+    assert f"Slurm job {job} root, partition normal, not preemptible, allocated by Slurm" in status
+    assert _allocated_entry(d, job, 1) is None
+    slurm.run("scancel", str(job))
+    d.wait_running("miner", timeout=40)  # back once the job has ended
+    assert "cannot tell which GPU Slurm allocated" not in d.log()
