@@ -251,6 +251,10 @@ def _described(d, job: int, gpu: int, preemptible: bool) -> dict:
     return wait_for(found, 20, f"job {job} in status on GPU {gpu}")  # type: ignore[return-value]
 
 
+# Why a Slurm job's GPU is busy: its process holds it, or (read every few seconds) Slurm has allocated it.
+HOLDS = r"root python3\[\d+\] holds .*"
+
+
 def _opener(path: str) -> subprocess.Popen:
     p = subprocess.Popen(foreign_opener_cmd(path), stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "open"
@@ -356,7 +360,7 @@ def test_a_normal_job_stops_our_workload_and_leaves_the_scavenger_job_alone(slur
     _described(d, scav, 0, True)
     normal = slurm.submit("normal", 1, normal_log)
     _started(normal_log)
-    d.wait_log(r"GPU 1 .*busy: root python3\[\d+\] holds .*; stopping miner")
+    d.wait_log(rf"GPU 1 .*busy: ({HOLDS}|Slurm has allocated it to job {normal} of root); stopping miner")
     _described(d, normal, 1, False)
     wait_for(lambda: d.workload("miner").get("state") not in ("running", "stopping"), 20, "the miner gone")
     assert slurm.job(scav)["JobState"] == "RUNNING" and slurm.job(scav)["Restarts"] == "0"
@@ -423,7 +427,7 @@ def test_our_workload_yields_to_a_scavenger_job_which_does_not_yield_to_it(slurm
     log = tmp_path / "job.log"
     job = slurm.submit("scavenger", 0, log)
     _started(log)
-    d.wait_log(r"GPU 0 .*busy: root python3\[\d+\] holds .*; stopping miner")
+    d.wait_log(rf"GPU 0 .*busy: ({HOLDS}|Slurm has allocated it to job {job} of root); stopping miner")
     _described(d, job, 0, True)
     wait_for(lambda: d.workload("miner").get("state") not in ("running", "stopping"), 20, "the miner gone")
     d.wait_log(r"miner\[\d+\] .*SIGKILL")  # (it held GPU 0 for its whole grace)

@@ -257,10 +257,10 @@ def gpu_verdict(
         return True, [Reason(Busy.MISSING)]
     reasons = _unsure(uuid, snap, rules)
     reasons += _queue_reasons(uuid, snap)
-    reasons += _slurm_reasons(uuid, snap)
     reasons += _holder_reasons(uuid, rules, snap, first_seen)
     reasons += _unseen_reasons(uuid, rules, snap, unseen_seconds)
     reasons += _nvml_reasons(uuid, rules, snap)
+    reasons += _slurm_reasons(uuid, snap)  # (after what is observed: the log names the process first)
     return bool(reasons), reasons
 
 
