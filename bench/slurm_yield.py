@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 import slurmcluster  # noqa: E402
-from background import Background, median, percentile, start_daemon, table  # noqa: E402
+from background import Background, median, percentile, start_daemon, table, wait_until  # noqa: E402
 
 SHIM = r"""
 #include <stdio.h>
@@ -76,14 +76,7 @@ UUIDS = ["GPU-5a1c0f3e-8d2b-4c6a-9f10-3b7e2d4c8a01", "GPU-9e47b2d1-1c3f-4a8e-b5d
 
 
 def wait(condition: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"slurm_yield: timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
+    return wait_until(condition, timeout, what, prog="slurm_yield")
 
 
 def stamp(log: Path, word: str, job: int) -> Optional[int]:

@@ -19,7 +19,7 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 # Character devices that open without a driver's set-up and that almost nothing holds.
@@ -47,6 +47,26 @@ say("start", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_RESTART_COUNT
 while True:
     time.sleep(1)
 """
+
+
+def running_cluster(directory: Path, **kwargs: object) -> Iterator[SlurmCluster]:
+    """A module fixture's body: a started cluster in `directory`, closed afterwards (nothing left running);
+    a machine without Slurm fails in one line (a missing tool is a failure, not a skip)."""
+    import pytest
+
+    lacking = missing()
+    if lacking:
+        pytest.fail(
+            f"a real Slurm needs {', '.join(lacking)} (Debian: slurmctld slurmd slurm-client munge)",
+            pytrace=False,
+        )
+    c = SlurmCluster(directory, **kwargs)  # type: ignore[arg-type]
+    try:
+        c.start()
+        yield c
+    finally:
+        left = c.close()
+    assert left == [], f"left running after the Slurm tests: {left}"
 
 
 def missing() -> List[str]:

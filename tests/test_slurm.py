@@ -29,7 +29,7 @@ from gpu_mon.slurm.jobs import JobInfo, Preemptible, parse_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import slurmcluster
-from slurmcluster import SlurmCluster, events
+from slurmcluster import events
 
 # ---------------------------------------------------------------------------------------------- config
 
@@ -205,19 +205,7 @@ def test_a_job_by_its_cgroup():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    lacking = slurmcluster.missing()
-    if lacking:  # a missing tool is a failure, not a skip (as for systemd and Prometheus)
-        pytest.fail(
-            f"a real Slurm needs {', '.join(lacking)} (Debian: slurmctld slurmd slurm-client munge)",
-            pytrace=False,
-        )
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        c.start()
-        yield c
-    finally:
-        left = c.close()
-    assert left == [], f"left running after the Slurm tests: {left}"
+    yield from slurmcluster.running_cluster(tmp_path_factory.mktemp("slurm"))
 
 
 @pytest.fixture

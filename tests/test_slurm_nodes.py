@@ -20,23 +20,14 @@ from conftest import foreign_opener_cmd, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import slurmcluster
-from slurmcluster import SlurmCluster, events
+from slurmcluster import events
 
 NODES = ("nodea", "nodeb")
 
 
 @pytest.fixture(scope="module")
 def cluster2(tmp_path_factory):
-    lacking = slurmcluster.missing()
-    if lacking:
-        pytest.fail(f"a real Slurm needs {', '.join(lacking)} (Debian: slurmctld slurmd slurm-client munge)")
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm2"), gpus=1, nodes=NODES)
-    try:
-        c.start()
-        yield c
-    finally:
-        left = c.close()
-    assert left == [], f"left running after the Slurm tests: {left}"
+    yield from slurmcluster.running_cluster(tmp_path_factory.mktemp("slurm2"), gpus=1, nodes=NODES)
 
 
 @pytest.fixture
