@@ -4,19 +4,22 @@ queue tests use gmqalice and gmqbob)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Dict, List
 
+import psutil
 import pytest
 from conftest import wait_for
 from test_queue import Lab, made_lab, queue_body
 
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, placement
+from gpu_mon.queue import arrays, hooks, placement
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.store import Refused, Store
 
@@ -384,3 +387,70 @@ def test_hooks_run_as_the_user_in_the_jobs_directory_once_per_array_and_a_failur
     assert "failing\n" in ben_log.read_text()
     assert not _hook_runs(ben)  # ann's default hook is hers alone
     assert all("notify" not in j for j in lab.jobs(ben).values())  # nobody sees another's hook
+
+
+# a hook that outlives its welcome: SIGTERM ignored (by it and by its child), the pids in PIDS
+STUBBORN = "trap '' TERM; sleep 300 & echo $$ $! > PIDS; wait"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pids(path: Path) -> List[int]:
+    text = path.read_text() if path.exists() else ""
+    return [int(p) for p in text.split()] if text.endswith("\n") else []
+
+
+def test_a_hooks_own_timeout_ends_its_whole_group_without_gpu_mon(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    argv = hooks.wrapper_argv(str(tmp_path / "log"), str(tmp_path), STUBBORN.replace("PIDS", str(pids)), 1)
+    popen = subprocess.Popen(argv, start_new_session=True)
+    try:
+        shell, child = wait_for(lambda: _pids(pids), 20, "the hook's pids")
+        # nobody signals it: `timeout` does, SIGTERM after 1 s then SIGKILL (ignored TERM) to the group
+        wait_for(lambda: popen.poll() is not None and not _alive(shell) and not _alive(child), 20, "its end")
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait()
+
+
+@pytestmark_root
+def test_a_hook_left_by_a_killed_daemon_has_its_limit_and_a_stopping_daemon_ends_its_hooks(
+    alab, daemon_factory
+):
+    lab = alab
+    d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann = lab.alice
+    job = ["--", "/usr/bin/python3", str(lab.job), "0", "0", lab.marker]
+    # SIGKILL: nothing can stop the hook but its own `timeout` (its limit, a little after gpu-mon's)
+    first = ann.work / "first.pids"
+    lab.submit(ann, "--notify", STUBBORN.replace("PIDS", str(first)), *job)
+    shell, child = wait_for(lambda: _pids(first), 30, "the first hook's pids")
+    try:
+        d.signal(signal.SIGKILL)
+        d.proc.wait(10)
+        assert _alive(shell) and _alive(child)
+        limit = psutil.Process(shell).parent().cmdline()
+        assert os.path.basename(limit[0]) == "timeout" and limit[1:6] == ["-k", "2", "31", "/bin/sh", "-c"]
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(shell), signal.SIGKILL)
+    wait_for(lambda: not _alive(shell) and not _alive(child), 20, "the first hook killed")
+    # SIGTERM: gpu-mon ends its running hooks (TERM to the group, then KILL) before it exits, quickly
+    d.start()
+    d.wait_log(r"queue: listening on ", count=2)
+    second = ann.work / "second.pids"
+    ref = lab.submit(ann, "--notify", STUBBORN.replace("PIDS", str(second)), *job)
+    shell, child = wait_for(lambda: _pids(second), 30, "the second hook's pids")
+    began = time.monotonic()
+    assert d.stop() == 0
+    took = time.monotonic() - began
+    assert not _alive(shell) and not _alive(child)
+    d.wait_log(rf"queue: job {ref}: its hook was still running when gpu-mon stopped: killed")
+    assert took < hooks.STOP_GRACE + hooks.KILL_AFTER + 8, took

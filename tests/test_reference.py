@@ -190,6 +190,10 @@ def _bash_complete(line: str) -> List[str]:
         ("gpu-mon report --by u", ["user"]),
         ("gpu-mon --config docs/completion/bash/gpu-", ["docs/completion/bash/gpu-mon"]),
         ("gpu-mon submit --name x --", ["--gpus"]),  # (a prefix of every option: they all come)
+        ("gpu-mon help su", ["submit"]),  # help's words: the commands and the topics
+        ("gpu-mon help exit", ["exit-codes"]),
+        ("gpu-mon help en", ["environment"]),
+        ("gpu-mon completion z", ["zsh"]),  # a positional's choices
     ],
 )
 def test_bash_completes_commands_options_and_values(line: str, expected: List[str]) -> None:
@@ -211,17 +215,26 @@ def test_zsh_script_parses_and_its_tables_answer() -> None:
             "zsh",
             "-fc",
             f"autoload -Uz compinit; compinit -u -D; source {script}; _gpu_mon_commands occupy;"
-            "echo $REPLY; _gpu_mon_value submit --stop-signal; echo $REPLY",
+            "echo $REPLY; _gpu_mon_value submit --stop-signal; echo $REPLY; _gpu_mon_positional help;"
+            "echo $REPLY",
         ],
         capture_output=True,
         text=True,
     )
-    assert (r.stdout, r.returncode) == ("on off status\nsignal\n", 0), r.stderr
+    occupy, stop_signal, help_words = r.stdout.splitlines()
+    assert (occupy, stop_signal, r.returncode) == ("on off status", "signal", 0), r.stderr
+    assert help_words.startswith("=") and {"submit", "exit-codes"} <= set(help_words[1:].split()), help_words
 
 
 @pytest.mark.parametrize(
     "line, expected",
-    [("gpu-mon su", "submit"), ("gpu-mon submit --stop-signal US", "USR1"), ("gpu-mon occupy o", "off")],
+    [
+        ("gpu-mon su", "submit"),
+        ("gpu-mon submit --stop-signal US", "USR1"),
+        ("gpu-mon occupy o", "off"),
+        ("gpu-mon help su", "submit"),
+        ("gpu-mon help exit", "exit-codes"),
+    ],
 )
 def test_fish_completes(line: str, expected: str) -> None:
     if not shutil.which("fish"):

@@ -2,6 +2,7 @@
 
 Static: a TAB runs no Python, except for the job ids of `cancel`, `hold`, `release` and `logs`, which the
 scripts get from `gpu-mon _job-ids COMMAND` (gpu_mon/jobids.py: the user's own jobs, from the daemon).
+`gpu-mon help <TAB>` offers the commands and the topics (gpu_mon/docs_gen/topics.py), every word after it.
 bash and zsh share the tables (shell functions that set REPLY, so a TAB forks nothing); fish gets its own
 `complete` lines over the same data.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from gpu_mon.config import STOP_SIGNALS
-from gpu_mon.docs_gen import model
+from gpu_mon.docs_gen import model, topics
 
 SHELLS = ("bash", "zsh", "fish")
 # Where the .deb installs each (debian/gpu-mon.install), relative to docs/completion/.
@@ -37,6 +38,22 @@ def _key(c: model.Command) -> str:
     return "/".join(c.path)
 
 
+def _help_words(top: model.Command) -> List[Tuple[str, str]]:
+    """What `gpu-mon help` takes: (word, what it is) of each command, then of each other topic."""
+    words = [(c.path[-1], c.help) for c in top.commands]
+    names = {w for w, _ in words}
+    return words + [(t.name, f"topic: {t.more}") for t in topics.TOPICS if t.name not in names]
+
+
+def _positional(top: model.Command, o: model.Option) -> str:
+    """What a positional argument completes to: =WORDS (its choices; help's words), or its kind."""
+    if o.choices:
+        return "=" + " ".join(o.choices)
+    if o.value == model.HELP:
+        return "=" + " ".join(w for w, _ in _help_words(top))
+    return o.value
+
+
 def _tables(top: model.Command) -> Dict[str, List[Tuple[str, str]]]:
     """Per table (commands, options, value, positional): (case pattern, REPLY)."""
     commands, options, values, positional = [], [], [], []
@@ -49,8 +66,8 @@ def _tables(top: model.Command) -> Dict[str, List[Tuple[str, str]]]:
             if o.flags and o.metavar:
                 kind = "=" + " ".join(o.choices) if o.choices else o.value or "any"
                 by_value.setdefault(kind, []).extend(_q(f"{_key(c)} {f}") for f in o.flags)
-            elif not o.flags and o.value:
-                positional.append((_q(_key(c)), o.value))
+            elif not o.flags and _positional(top, o):
+                positional.append((_q(_key(c)), _positional(top, o)))
     values = [(" | ".join(patterns), kind) for kind, patterns in by_value.items()]
     return {"commands": commands, "options": options, "value": values, "positional": positional}
 
@@ -62,7 +79,7 @@ def _shell_tables(top: model.Command) -> str:
         "commands": "the commands after $1 (a command path: '', occupy)",
         "options": "the options of command $1",
         "value": "what the value of option $2 of command $1 is: file, signal, any, =CHOICES; '' for a flag",
-        "positional": "what command $1's arguments are: job-id, command (the rest of the line), ''",
+        "positional": "what command $1's arguments are: job-id, command (the rest of the line), =WORDS, ''",
     }
     for name, rows in _tables(top).items():
         out.append(f"# {what[name]}")
@@ -144,6 +161,8 @@ _gpu_mon() {
             2>/dev/null))
     elif [[ $REPLY == command ]]; then
         compopt -o default 2>/dev/null
+    elif [[ $REPLY == =* ]]; then
+        COMPREPLY=($(compgen -W "${REPLY#=}" -- "$cur"))
     fi
     return 0
 }
@@ -212,6 +231,8 @@ _gpu-mon() {
         compadd -- $ids
     elif [[ $REPLY == command ]]; then
         _normal
+    elif [[ $REPLY == =* ]]; then
+        compadd -- ${=REPLY#=}
     fi
 }
 
@@ -288,6 +309,11 @@ complete -c gpu-mon -n '__gpu_mon_at REST' -F""",
             if not o.flags:
                 if o.value == model.JOB_ID:
                     out.append(f"complete -c gpu-mon {cond} -a '(__gpu_mon_job_ids)'")
+                elif o.value == model.HELP:
+                    for word, what in _help_words(top):
+                        out.append(f"complete -c gpu-mon {cond} -a {_q(word)} -d {_q(what)}")
+                elif o.choices:
+                    out.append(f"complete -c gpu-mon {cond} -a {_q(' '.join(o.choices))}")
                 continue
             names = " ".join(f"-l {f[2:]}" if f.startswith("--") else f"-s {f[1:]}" for f in o.flags)
             arg = ""

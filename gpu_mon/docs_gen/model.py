@@ -6,8 +6,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
-# What an argument's value completes to (the completion scripts) besides a fixed list of choices.
-FILE, SIGNAL, JOB_ID, COMMAND, NOTHING = "file", "signal", "job-id", "command", ""
+# What an argument's value completes to (the completion scripts) besides a fixed list of choices
+# (HELP: `gpu-mon help`'s, a command's name or a topic's).
+FILE, SIGNAL, JOB_ID, COMMAND, HELP, NOTHING = "file", "signal", "job-id", "command", "help", ""
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class Option:
     metavar: str  # '' for a flag that takes no value
     help: str
     choices: Tuple[str, ...]
-    value: str  # FILE, SIGNAL, JOB_ID, COMMAND (the rest of the line) or NOTHING: what its value is
+    value: str  # FILE, SIGNAL, JOB_ID, COMMAND (the rest of the line), HELP or NOTHING: what its value is
     repeats: bool  # a positional that takes more than one value
 
 
@@ -90,6 +91,8 @@ def _value(action: argparse.Action, metavar: str) -> str:
         return FILE
     if metavar == "ID" and not action.option_strings:
         return JOB_ID
+    if metavar == "COMMAND|TOPIC" and not action.option_strings:
+        return HELP
     return NOTHING
 
 

@@ -187,9 +187,11 @@ class Queue:
                 note(job, f"gpu-mon: job {job.id} stopped at {at}: gpu-mon is stopping; requeued")
 
     def close(self) -> None:
-        """Stop listening; close the database; let the next daemon have the queue."""
+        """Stop listening; end the running hooks (a few seconds at most); close the database; let the next
+        daemon have the queue."""
         self.server.stop()
         self.pruner.stop()
+        self.hooks.close()
         self.store.close()
         self.lock.release()
 
@@ -244,9 +246,12 @@ class Queue:
         stopping: bool = False,
     ) -> Decision:
         """Place and act; return the policy's decision without starts on GPUs that jobs hold or claim.
-        While gpu-mon stops, only the jobs' ends are recorded. Then the hooks of the jobs that ended."""
+        While gpu-mon stops, only the jobs' ends are recorded (and the running hooks' time is cut short:
+        close() ends them). Then the hooks of the jobs that ended."""
         out = self._round(decision, index_of, uuids, now, stopping)
-        if not stopping:
+        if stopping:
+            self.hooks.stopping(now)
+        else:
             self._notify(now)
         return out
 

@@ -6,6 +6,11 @@ is found the same way: an exit, a cancel, a failed dependency, an earlier daemon
 array without --notify-each notifies once, when its last element ends. `Hooks` runs each hook as a child
 of the daemon that the loop polls (never waited for): 30 s, then its process group is killed. A hook that
 fails is one line in the daemon's log and one in the job's.
+
+gpu-mon leaves no hook running: when it stops, a hook has what is left of its 30 s but at most STOP_GRACE
+(counted from the first round of the stop, so it overlaps the workloads' stops), then its group gets SIGTERM
+and, KILL_AFTER later, SIGKILL. A daemon killed with SIGKILL cannot do that: each hook runs under
+coreutils' `timeout`, which ends its group by itself a little after the daemon would have.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import logging
 import os
 import pwd
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -30,13 +37,17 @@ log = logging.getLogger("gpu_mon")
 
 HOOK_SECONDS = 30.0
 POLL_SECONDS = 0.2  # how often running hooks are looked at
+STOP_GRACE = 2.0  # gpu-mon stops: what a running hook still has, at most (then SIGTERM to its group)
+KILL_AFTER = 1.0  # then SIGKILL to the group
+BACKSTOP_SECONDS = HOOK_SECONDS + 1.0  # `timeout` ends a hook by itself (its daemon was SIGKILLed)
+BACKSTOP_KILL = 2  # and SIGKILLs its group this many seconds after its SIGTERM
 DEFAULT_HOOK = ".config/gpu-mon/notify"  # under the user's home
 PREEMPTED, REQUEUED = "preempted", "requeued"
 # As the user: the job's log for output (/dev/null when it cannot be opened), its directory, then the hook.
-# $1 the log, $2 the directory, $3 the hook's command line.
+# $1 the log, $2 the directory, $3 the hook's command line, then what runs it (`timeout ... `, or nothing).
 _WRAPPER = (
     '{ exec >>"$1"; } 2>/dev/null || exec >/dev/null; exec 2>&1; '
-    'cd -- "$2" 2>/dev/null || cd / || exit 126; exec /bin/sh -c "$3"'
+    'cd -- "$2" 2>/dev/null || cd / || exit 126; cmd=$3; shift 3; exec "$@" /bin/sh -c "$cmd"'
 )
 
 
@@ -145,11 +156,48 @@ def command_of(job: Job) -> str:
     return "exec " + shlex.quote(path)
 
 
+def wrapper_argv(output: str, cwd: str, cmd: str, seconds: float = BACKSTOP_SECONDS) -> List[str]:
+    """The hook's argv: the wrapper, then CMD under `timeout` (its group ends after `seconds` even when
+    gpu-mon is gone; without coreutils' timeout, only gpu-mon's own limit)."""
+    found = shutil.which("timeout", path=os.defpath)
+    limit = [found, "-k", str(BACKSTOP_KILL), f"{seconds:g}"] if found else []
+    return ["/bin/sh", "-c", _WRAPPER, "gpu-mon-notify", output, cwd, cmd, *limit]
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child `pid` has exited, without reaping it (while unreaped, its group is still its)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _killpg(pid: int, sig: int) -> None:
+    """Signal the group of our unreaped child `pid` (its own session: start_new_session)."""
+    with contextlib.suppress(OSError):
+        os.killpg(pid, sig)
+
+
 @dataclass
 class _Running:
     popen: subprocess.Popen
     job: Job
     deadline: float
+
+
+def _late(runs: List[_Running], deadline_of: Callable[[_Running], float]) -> List[_Running]:
+    """Wait until each hook has exited or its deadline (monotonic) passed; those that had not exited."""
+    pending, late = list(runs), []
+    while pending:
+        now = time.monotonic()
+        still = []
+        for r in pending:
+            if not _exited(r.popen.pid):
+                (late if now >= deadline_of(r) else still).append(r)
+        pending = still
+        if pending:
+            time.sleep(0.02)
+    return late
 
 
 class Hooks:
@@ -165,11 +213,12 @@ class Hooks:
         self.output_of, self.groups_of, self.note = output_of, groups_of, note
         self.keep = keep  # the supervisor's helpers: a child it must not reap for us
         self.running: List[_Running] = []
+        self.stop_by: Optional[float] = None  # gpu-mon stops: no hook runs past this (monotonic)
 
     def start(self, n: Notice, now: float) -> None:
         """Run the job's hook, if it has one (never as root for another user's job)."""
         cmd = command_of(n.job)
-        if not cmd:
+        if not cmd or self.stop_by is not None:
             return
         j = n.job
         if os.geteuid() != 0 and j.uid != os.geteuid():
@@ -178,7 +227,7 @@ class Hooks:
         ids = {}
         if os.geteuid() == 0:
             ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
-        argv = ["/bin/sh", "-c", _WRAPPER, "gpu-mon-notify", self.output_of(j), j.cwd or "/", cmd]
+        argv = wrapper_argv(self.output_of(j), j.cwd or "/", cmd)
         try:
             popen = subprocess.Popen(
                 argv,
@@ -214,6 +263,35 @@ class Hooks:
                 self._failed(r.job, f"its hook exited with status {code}")
             self.keep.pop(r.popen.pid, None)
         self.running = still
+
+    def stopping(self, now: float) -> None:
+        """gpu-mon stops (`now`: monotonic, as every `now` here): no new hook; those running have at most
+        STOP_GRACE more (the first call counts)."""
+        if self.stop_by is None:
+            self.stop_by = now + STOP_GRACE
+        for r in self.running:
+            r.deadline = min(r.deadline, self.stop_by)
+
+    def close(self) -> None:
+        """gpu-mon stops now: wait for the running hooks until their deadlines, then SIGTERM their groups,
+        KILL_AFTER later (or once their leaders exited) SIGKILL to every group; every one reaped. Blocks at
+        most STOP_GRACE + KILL_AFTER."""
+        self.stopping(time.monotonic())
+        late = _late(self.running, lambda r: r.deadline)
+        for r in late:
+            _killpg(r.popen.pid, signal.SIGTERM)
+            _killpg(r.popen.pid, signal.SIGCONT)  # (a stopped hook hears it)
+        term_at = time.monotonic()
+        _late(late, lambda r: term_at + KILL_AFTER)
+        for r in self.running:
+            _killpg(r.popen.pid, signal.SIGKILL)  # (what is left of each group: a child that outlived it)
+            code = r.popen.wait()  # (reaped only now: until then each group was still its leader's)
+            if r in late:
+                self._failed(r.job, "its hook was still running when gpu-mon stopped: killed")
+            elif code != 0:
+                self._failed(r.job, f"its hook exited with status {code}")
+            self.keep.pop(r.popen.pid, None)
+        self.running = []
 
     def next_poll(self, now: float) -> Optional[float]:
         """When the running hooks should be looked at again (None: none runs)."""
