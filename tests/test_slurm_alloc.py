@@ -9,16 +9,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace as dataclasses_replace
 
 import pytest
 from conftest import UUIDS, wait_for, workload_cmd
-from test_policy import RULES, U0, U1, config, snap
+from test_policy import RULES, U0, U1, config, gpu, snap
 from test_slurm import _section, cluster, slurm  # noqa: F401  (the real Slurm's fixtures)
 
 from gpu_mon.api.model import Running, SlurmJob
+from gpu_mon.config import SlurmSection
 from gpu_mon.engine import gpustate, policy, words
 from gpu_mon.engine.decisions import Busy, PolicyState, Stop, Verdict
+from gpu_mon.engine.slurm import Slurm
 from gpu_mon.slurm import alloc as A
 
 # One line per job, as Debian's Slurm 22.05 prints `scontrol show job -d -o` (shortened).
@@ -131,6 +134,18 @@ def test_an_index_is_mapped_to_this_hosts_gpu_by_its_device_node():
     assert got == {UUIDS[1]: (54, "e")}
 
 
+def test_node_name_is_this_host_alone_and_turns_the_guess_off():
+    assert A.this_node("gpu03", "host", ["nodea"]) == ({"gpu03"}, False)
+    assert A.this_node(None, "host", ["nodea", ""]) == ({"host", "nodea"}, True)
+    # gres.conf would take nodeb for this host (its device node is no other node's): not with node_name.
+    conf = A.parse_gres_conf("NodeName=nodea Name=gpu File=/d/a0\nNodeName=nodeb Name=gpu File=/d/b0\n")
+    ids = {"/d/a0": (1, 10), "/d/b0": (1, 11)}.get
+    gpu_ids = {(1, 10): UUIDS[0], (1, 11): UUIDS[1]}
+    allocs = (A.Allocated(54, "e", "nodeb", (0,)), A.Allocated(55, "f", "nodea", (0,)))
+    here, guess = A.this_node("nodea", "host", ["nodeb"])
+    assert A.mapped(allocs, conf, here, gpu_ids, ids, guess) == ({UUIDS[0]: (55, "f")}, [])
+
+
 def test_identity_is_a_char_devices_numbers_or_a_files_inode(tmp_path):
     f = tmp_path / "stand-in"
     f.write_text("")
@@ -162,9 +177,11 @@ def test_an_allocated_gpu_is_busy_and_a_workload_there_yields_at_once():
 # ---------------------------------------------------------------------------------------------- a real Slurm
 
 
-def _allocated_entry(d, job: int, gpu: int):
+def _allocated_entry(d, job: int, gpu: int, described: bool = False):
+    """The job's entry on the GPU in the state, once Slurm's allocation shows it (`described`: and the
+    job's lookup has answered too, a round or more later)."""
     for j in (d.state().get("gpus") or [{}] * 2)[gpu].get("slurm_jobs", []):
-        if j["id"] == job and j.get("allocated"):
+        if j["id"] == job and j.get("allocated") and (j.get("partition") or not described):
             return j
     return None
 
@@ -186,7 +203,7 @@ def test_a_job_allocated_a_gpu_it_has_not_opened_keeps_our_workload_off_it(
     wait_for(lambda: slurm.job(job).get("JobState") == "RUNNING", 30, "the job running")
     assert "IDX:0" in slurm.job(job)["GRES"], slurm.job(job)
     d.wait_log(rf"GPU 0 .*busy: Slurm has allocated it to job {job} of root; stopping miner")
-    entry = wait_for(lambda: _allocated_entry(d, job, 0), 20, f"job {job} on GPU 0 in the state")
+    entry = wait_for(lambda: _allocated_entry(d, job, 0, True), 20, f"job {job} on GPU 0 described")
     assert entry["user"] == "root" and entry["partition"] == "normal" and entry["preemptible"] is False
     wait_for(lambda: d.workload("miner").get("state") not in ("running", "stopping"), 20, "the miner gone")
     status = subprocess.run(
@@ -199,3 +216,66 @@ def test_a_job_allocated_a_gpu_it_has_not_opened_keeps_our_workload_off_it(
     slurm.run("scancel", str(job))
     d.wait_running("miner", timeout=40)  # back once the job has ended
     assert "cannot tell which GPU Slurm allocated" not in d.log()
+
+
+# ---------------------------------------------------------------------------------------------- the hook
+
+
+def _hook(tmp_path, monkeypatch, **keys):
+    """The daemon's Slurm hook on two stand-in GPUs, gres.conf giving one to node gpu03 and one to node
+    other; its scontrol a script that logs each call and prints job 42 on gpu03 and 43 on other."""
+    devices = [tmp_path / "nvidia0", tmp_path / "nvidia1"]
+    for d in devices:
+        d.write_text("")
+    (tmp_path / "gres.conf").write_text(
+        f"NodeName=gpu03 Name=gpu File={devices[0]}\nNodeName=other Name=gpu File={devices[1]}\n"
+    )
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    (tmp_path / "jobs").write_text(
+        RUNNING.replace("IDX:1", "IDX:0").replace("node3", "gpu03")
+        + "\n"
+        + RUNNING.replace("JobId=42", "JobId=43").replace("IDX:1", "IDX:0").replace("node3", "other")
+        + "\n"
+    )
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls"}\ncat {tmp_path / "jobs"}\n')
+    scontrol.chmod(0o755)
+    rule = SlurmSection(preemptible_qos=("low",), scontrol=str(scontrol), **keys)
+    hook = Slurm(rule, lambda: None, time.monotonic, time.time)
+    gpus = (gpu(0, U0, device=str(devices[0])), gpu(1, U1, device=str(devices[1])))
+    return hook, snap(gpus=gpus)
+
+
+def _allocated(hook, s):
+    """Rounds until the allocations are read: {UUID: job}."""
+
+    def read():
+        hook.round(s, {}, {}, 0.0, False)
+        jobs, unknown = hook.allocations()
+        return None if unknown else {g: j.job for j in jobs for g in j.gpus} or None
+
+    return wait_for(read, 20, "Slurm's allocations read")
+
+
+def test_node_name_alone_names_this_host_in_slurms_allocations(tmp_path, monkeypatch):
+    guessed, s = _hook(tmp_path, monkeypatch)
+    assert _allocated(guessed, s) == {U0: 42, U1: 43}  # (each node's device node is no other's: both)
+    hook, s = _hook(tmp_path, monkeypatch, node_name="gpu03")
+    assert _allocated(hook, s) == {U0: 42}
+    assert hook.node == "gpu03" and hook._node(42, U0) == "gpu03"
+    hook.set_rule(dataclasses_replace(hook.rule, node_name="other"))  # a reload: read again at once
+    wait_for(lambda: _allocated(hook, s) == {U1: 43}, 20, "the allocations of node other")
+
+
+def test_allocation_seconds_0_reads_nothing_until_a_reload_turns_it_on(tmp_path, monkeypatch):
+    hook, s = _hook(tmp_path, monkeypatch, allocation_seconds=0)
+    for _ in range(3):
+        hook.round(s, {}, {}, 0.0, False)
+    assert not hook.control.busy() and not (tmp_path / "calls").exists()
+    assert hook.allocations() == ((), "") and hook.next_wake() is None  # (no GPU busy for want of it)
+    hook.set_rule(dataclasses_replace(hook.rule, allocation_seconds=5))
+    assert hook.allocations() == ((), "no answer from scontrol yet")
+    assert _allocated(hook, s) == {U0: 42, U1: 43}
+    assert "show job -d -o" in (tmp_path / "calls").read_text()
+    hook.set_rule(dataclasses_replace(hook.rule, allocation_seconds=0))
+    assert hook.allocations() == ((), "") and hook.next_wake() is None

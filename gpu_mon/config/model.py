@@ -201,6 +201,8 @@ class SlurmSection:
     scontrol: str = "scontrol"
     scancel: str = "scancel"
     timeout_seconds: float = 5.0
+    node_name: Optional[str] = None  # this host's Slurm NodeName (None: guessed)
+    allocation_seconds: float = 5.0  # how often Slurm's allocations are read (0: never)
     line: int = 0
 
 

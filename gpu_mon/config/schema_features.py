@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 from gpu_mon.config import values as v
 from gpu_mon.config.key import Key, SectionSpec, plain
 from gpu_mon.config.model import KILL_ACTIONS, QUEUE_ORDERS, SLURM_ACTIONS
@@ -252,6 +254,22 @@ QUEUE = SectionSpec(
     ),
 )
 
+
+def _node_name(value: str) -> str:
+    """One Slurm node name (letters, digits, `-`, `_`, `.`; not a list or a range)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
+        raise ValueError(f"{value!r} is not one Slurm node name (letters, digits, '-', '_', '.')")
+    return value
+
+
+def _allocation_seconds(value: str) -> float:
+    """Seconds: 0 (off), or at least 1 (each read asks slurmctld about every job)."""
+    number = v.seconds(value)
+    if 0 < number < 1:
+        raise ValueError(f"{value!r} must be 0 (not read) or at least 1")
+    return number
+
+
 SLURM = SectionSpec(
     "slurm",
     "Where the GPUs belong to a Slurm cluster: jobs of preemptible partitions (or QOS) yield to anyone "
@@ -314,6 +332,25 @@ SLURM = SectionSpec(
             "5",
             "How long a Slurm command may take before it counts as failed (one log line, tried again each "
             "round).",
+        ),
+        Key(
+            "node_name",
+            "Slurm node name, or empty",
+            plain(v.optional(_node_name)),
+            "",
+            "This host's NodeName in Slurm, where it is not the short host name. Set: Slurm's allocations "
+            "and excluded nodes name this node only. Empty: guessed (the short host name, SLURMD_NODENAME "
+            "of a job's process here, or a node whose gres.conf device nodes no other node names).",
+            "gpu03",
+        ),
+        Key(
+            "allocation_seconds",
+            "seconds: 0, or at least 1",
+            plain(_allocation_seconds),
+            "5",
+            "How often Slurm's allocations are read (`scontrol show job -d -o`: every job of the cluster), "
+            "so that a GPU allocated to a job counts as taken before its processes open it. 0: not read; "
+            "a GPU is the job's only once its processes use it.",
         ),
     ),
 )

@@ -48,9 +48,9 @@ PEEK_SECONDS, PEEK_SLOW_SECONDS, PEEK_FAST_FOR, PEEK_FOR = 0.05, 1.0, 5.0, 300.0
 # A job kept off this node that runs elsewhere when its time is up keeps the exclusion (Slurm changes the
 # excluded nodes of pending jobs only): looked at again this often, lifted once it is pending.
 LIFT_RETRY_SECONDS = 30.0
-# How often Slurm's allocations are read (`scontrol show job -d -o`: every job of the cluster, one call to
-# slurmctld, as a `squeue` would), and at once after each action gpu-mon asked Slurm for.
-ALLOC_SECONDS = 5.0
+# Slurm's allocations (`scontrol show job -d -o`: every job of the cluster, one call to slurmctld, as a
+# `squeue` would) are read every [slurm] allocation_seconds (0: never), and at once after each action
+# gpu-mon asked Slurm for.
 _ENDED = (
     "COMPLETED",
     "CANCELLED",
@@ -94,7 +94,7 @@ class Slurm:
         self.clock, self.wall = clock, wall
         self.control = C.Control(poke, rule.timeout_seconds, clock, spawn)
         self.members = JobMembers()
-        self.node = socket.gethostname().split(".")[0]
+        self.host = socket.gethostname().split(".")[0]
         self.jobs: Dict[int, JobInfo] = {}
         self.looking: Dict[int, float] = {}
         self.seen: Dict[int, float] = {}
@@ -182,7 +182,7 @@ class Slurm:
                 del self.lifts[job]
                 argv = (self.rule.scontrol, "show", "job", "-o", str(job))
                 self.control.submit(C.Call(job, "lift-look", (argv,), now))
-        if now >= self.alloc_next and not self.alloc_asking:
+        if self.rule.allocation_seconds > 0 and now >= self.alloc_next and not self.alloc_asking:
             self.alloc_asking = True
             argv = (self.rule.scontrol, "show", "job", "-d", "-o")
             self.control.submit(C.Call(0, "allocations", (argv,), now))
@@ -211,7 +211,7 @@ class Slurm:
         """When `tick` has something to do."""
         due = [a.due for a in self.acting.values() if a.stage in ("signal", "retry")]
         due += list(self.lifts.values())
-        due += [] if self.alloc_asking else [self.alloc_next]
+        due += [] if self.alloc_asking or self.rule.allocation_seconds == 0 else [self.alloc_next]
         due += [d for j, (d, _f, _e) in self.peeks.items() if j not in self.peeking]
         return min(due, default=None)
 
@@ -236,9 +236,17 @@ class Slurm:
             self.members.keep_only((h.pid, h.start_ticks) for h, _g in merged.values())
         return tuple(uses)
 
+    @property
+    def node(self) -> str:
+        """This node as Slurm names it, where no job's process says: [slurm] node_name, else the short
+        host name."""
+        return self.rule.node_name or self.host
+
     def _node(self, job: int, gpu: str) -> str:
-        """This node as Slurm names it: SLURMD_NODENAME in the job's processes on that GPU, or in any of
-        them, else the short host name."""
+        """This node as Slurm names it: node_name where set; else SLURMD_NODENAME in the job's processes on
+        that GPU, or in any of them, else the short host name."""
+        if self.rule.node_name:
+            return self.rule.node_name
         if (job, gpu) in self.node_of:
             return self.node_of[(job, gpu)]
         for (_pid, _ticks), m in self.members.cache.items():
@@ -389,7 +397,9 @@ class Slurm:
 
     def allocations(self) -> Tuple[Tuple[SlurmJob, ...], str]:
         """(The jobs Slurm has allocated GPUs of this host to, why they are not known yet) for the
-        snapshot."""
+        snapshot; none where allocation_seconds = 0 (not read)."""
+        if self.rule.allocation_seconds == 0:
+            return (), ""
         if not self.alloc_known:
             return (), "no answer from scontrol yet"
         by_job: Dict[Tuple[int, str], List[str]] = {}
@@ -413,7 +423,9 @@ class Slurm:
         (a job Slurm cannot be asked about stays on its GPUs); a first read that fails leaves the GPUs to
         what is observed (Slurm that cannot be reached starts no job here either), said once."""
         self.alloc_asking = False
-        self.alloc_next = self.clock() + ALLOC_SECONDS
+        if self.rule.allocation_seconds == 0:
+            return  # (turned off by a reload while it was read)
+        self.alloc_next = self.clock() + self.rule.allocation_seconds
         if r.result != C.OK:
             if not self.alloc_known:
                 self.alloc_known = True
@@ -424,9 +436,10 @@ class Slurm:
                 )
             return
         allocs = AL.parse_allocations(r.output)
-        here = {self.node} | {m.node for m in self.members.cache.values() if m is not None and m.node}
+        seen = (m.node for m in self.members.cache.values() if m is not None)
+        here, guess = AL.this_node(self.rule.node_name, self.host, seen)
         conf = AL.read_gres_conf(AL.gres_conf_path(os.environ))
-        self.allocated, problems = AL.mapped(allocs, conf, here, self.gpu_ids)
+        self.allocated, problems = AL.mapped(allocs, conf, here, self.gpu_ids, guess=guess)
         self.alloc_known = True
         if problems and not self.alloc_said:
             self.alloc_said = True
@@ -475,7 +488,12 @@ class Slurm:
         """A reload changed [slurm]: the new rule from the next round on."""
         if rule.timeout_seconds != self.rule.timeout_seconds:
             self.control.timeout = rule.timeout_seconds
-        self.rule = rule
+        old, self.rule = self.rule, rule
+        if rule.allocation_seconds == 0:
+            self.allocated, self.alloc_known = {}, False  # (read afresh if turned on again)
+        elif rule.node_name != old.node_name or rule.allocation_seconds != old.allocation_seconds:
+            # Read again at once (turned on: every GPU is busy until the first answer, as at a start).
+            self.alloc_next, self.alloc_said = self.clock(), False
 
     def close(self) -> None:
         """gpu-mon stops (or [slurm] is removed): the jobs still kept off this node get it back now (no one

@@ -242,6 +242,14 @@ def identity(path: str) -> Optional[Tuple[int, ...]]:
     return (st.st_rdev,) if stat.S_ISCHR(st.st_mode) else (st.st_dev, st.st_ino)
 
 
+def this_node(node_name: Optional[str], host: str, seen: Iterable[str]) -> Tuple[Set[str], bool]:
+    """(This host's Slurm node names, whether gres.conf may add one: gpu_of's `guess`): `node_name` alone
+    when set ([slurm] node_name); else the short host name and each SLURMD_NODENAME seen in a job here."""
+    if node_name:
+        return {node_name}, False
+    return {host, *(n for n in seen if n)}, True
+
+
 def gpu_of(
     alloc_node: str,
     index: int,
@@ -249,16 +257,17 @@ def gpu_of(
     here: Set[str],
     gpu_ids: Mapping[Tuple[int, ...], str],
     ident: Callable[[str], Optional[Tuple[int, ...]]] = identity,
+    guess: bool = True,
 ) -> Optional[str]:
     """The UUID of this host's GPU that is `index` on Slurm's node `alloc_node`, or None (another host's,
-    or not known). The node is this host when it is one of `here` (its names), or when gres.conf gives it
-    a device node that no other node names (several slurmd on one host)."""
+    or not known). The node is this host when it is one of `here` (its names), or (`guess`) when gres.conf
+    gives it a device node that no other node names (several slurmd on one host)."""
     files = conf.files(alloc_node)
     if index >= len(files):
         return None
     path = files[index]
     if alloc_node not in here:
-        if alloc_node not in conf.by_node or path in conf.anywhere:
+        if not guess or alloc_node not in conf.by_node or path in conf.anywhere:
             return None
         if any(path in f for n, f in conf.by_node.items() if n != alloc_node):
             return None
@@ -272,10 +281,11 @@ def mapped(
     here: Set[str],
     gpu_ids: Mapping[Tuple[int, ...], str],
     ident: Callable[[str], Optional[Tuple[int, ...]]] = identity,
+    guess: bool = True,
 ) -> Tuple[Dict[str, Tuple[int, str]], List[str]]:
     """({UUID: (job, user)} of this host's GPUs that Slurm allocated, [what could not be mapped]): an
     allocation on one of this host's names whose GPU cannot be told is a problem; one on a node of
-    another host is not."""
+    another host is not. `guess`: as gpu_of's."""
     out: Dict[str, Tuple[int, str]] = {}
     problems: List[str] = []
     for a in allocs:
@@ -285,7 +295,7 @@ def mapped(
                 problems.append(f"job {a.job} on {a.node}: Slurm does not say which GPUs")
             continue
         for i in a.indices:
-            uuid = gpu_of(a.node, i, conf, here, gpu_ids, ident)
+            uuid = gpu_of(a.node, i, conf, here, gpu_ids, ident, guess)
             if uuid is not None:
                 out.setdefault(uuid, (a.job, a.user))
             elif ours:
