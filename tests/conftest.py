@@ -66,6 +66,19 @@ sys.stdin.read()
 """
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_caches(tmp_path_factory):
+    """matplotlib's config and font cache (the plots' tests) in a directory of the run's, not the tester's
+    home: the suite leaves the machine as it found it."""
+    saved = os.environ.get("MPLCONFIGDIR")
+    os.environ["MPLCONFIGDIR"] = str(tmp_path_factory.mktemp("matplotlib"))
+    yield
+    if saved is None:
+        os.environ.pop("MPLCONFIGDIR", None)
+    else:
+        os.environ["MPLCONFIGDIR"] = saved
+
+
 @pytest.fixture
 def procs():
     """A list a test appends the processes it starts to; each is killed and reaped afterwards."""

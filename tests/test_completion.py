@@ -75,7 +75,5 @@ def test_cancel_hold_release_and_logs_complete_to_the_users_own_jobs(lab, daemon
     lab.wait_state(lab.alice, held[0], "cancelled")
     assert _complete(lab, lab.alice, ["gpu-mon", *conf, "cancel", ""]) == [str(held[1])]
     assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""]) == [str(i) for i in held]
-    if shutil.which("fish"):
-        assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""], shell="fish") == [
-            str(i) for i in held
-        ]
+    assert shutil.which("fish"), "fish is not installed: apt-get install fish (as .ci/run does)"
+    assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""], shell="fish") == [str(i) for i in held]

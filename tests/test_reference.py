@@ -4,6 +4,7 @@ agree with the parser and with the committed files (docs/man/, docs/completion/)
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -236,15 +237,18 @@ def test_zsh_script_parses_and_its_tables_answer() -> None:
         ("gpu-mon help exit", "exit-codes"),
     ],
 )
-def test_fish_completes(line: str, expected: str) -> None:
+def test_fish_completes(line: str, expected: str, tmp_path) -> None:
     if not shutil.which("fish"):
         pytest.fail("fish is not installed: apt-get install fish (as .ci/run does)")
     script = ROOT / "docs" / "completion" / "fish" / "gpu-mon.fish"
+    # (fish makes its data directory under $XDG_DATA_HOME, else ~/.local/share: not in the tester's home)
+    env = dict(os.environ, HOME=str(tmp_path), XDG_DATA_HOME=str(tmp_path / "data"))
     r = subprocess.run(
         ["fish", "--no-config", "-c", f"source {script}; complete -C {line!r}"],
         capture_output=True,
         text=True,
         timeout=30,
+        env=env,
     )
     assert r.returncode == 0 and not r.stderr, r.stderr
     assert expected in [w.split("\t")[0] for w in r.stdout.splitlines()], r.stdout
