@@ -44,7 +44,11 @@ EXIT_STATUS = Topic(
             "`--time-limit`.",
         ),
         ("130", "Interrupted (Ctrl-C)."),
-        ("other", "`watch` exits with CMD's own status, `submit --wait` with the job's."),
+        (
+            "other",
+            "`watch` exits with CMD's own status, `submit --wait` and `wait` with the job's. `stress` "
+            "stopped by a signal ends by that signal (143 in a shell for SIGTERM), whatever it was doing.",
+        ),
     ),
     "man gpu-mon (EXIT STATUS)",
 )

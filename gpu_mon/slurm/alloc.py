@@ -58,7 +58,7 @@ def expand(text: str) -> List[str]:
     """Slurm's host list or device range: `n[01-03,7],m` -> n01 n02 n03 n7 m; `/dev/nvidia[0-1]` too.
     Raises ValueError on a malformed or huge range."""
     out: List[str] = []
-    for item in _split_top(text):
+    for item in _split_top(text.strip()):
         m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]*)\]([^\[\]]*)", item)
         if not m:
             if "[" in item or "]" in item:
@@ -72,12 +72,12 @@ def expand(text: str) -> List[str]:
     return [o for o in out if o]
 
 
-def _split_top(text: str) -> List[str]:
-    """Split at the commas outside brackets."""
+def _split_top(text: str, brackets: str = "[]") -> List[str]:
+    """Split at the commas outside `brackets` (an opening and a closing character)."""
     parts, depth, cur = [], 0, ""
-    for ch in text.strip():
-        depth += ch == "["
-        depth -= ch == "]"
+    for ch in text:
+        depth += ch == brackets[0]
+        depth -= ch == brackets[1]
         if ch == "," and depth == 0:
             parts.append(cur)
             cur = ""
@@ -105,16 +105,7 @@ def indices(text: str) -> Optional[Tuple[int, ...]]:
     """The GPU indices in a node's GRES words (`gpu:2(IDX:0-1)`, `gpu:t:1(IDX:3),mps:0`), () when they
     name no GPU, None when they name GPUs without readable indices (`gpu:1`, `IDX:N/A`)."""
     found: List[int] = []
-    depth, cur, entries = 0, "", []
-    for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            entries.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    for entry in [*entries, cur]:
+    for entry in _split_top(text, "()"):
         name = entry.split("(", 1)[0].split(":")
         if name[0] != "gpu":
             continue
