@@ -134,7 +134,14 @@ def test_a_full_scan_without_pause_starts_over_and_finishes(node, procs):
     assert result.full and not s.full_paused()
 
 
+def crowd(procs: list, n: int) -> None:
+    """Start sleeping processes until /proc lists at least `n` (a fresh container may have a dozen)."""
+    while len(list(procfs.list_pids())) < n:
+        procs.append(subprocess.Popen(["sleep", "600"]))
+
+
 def test_a_signature_pass_paused_for_an_open_reports_what_it_read_with_the_next(node, procs):
+    crowd(procs, 2 * holders._PAUSE_EVERY + 8)  # (the pass asks whether to pause every so many processes)
     s = scanner_on(node)
     s.full()
     p = start(
