@@ -203,3 +203,30 @@ def test_a_job_stopped_with_sigterm_gets_it_once_and_its_clean_exit_is_not_a_sig
     assert got == {"main": ["SIGTERM"], "child": ["SIGTERM"]}
     assert (work / "ckp-saved").exists()
     assert (job["exit_status"], job["signal"]) == (143, None)
+
+
+def test_the_line_writer_of_jobs_under_systemd_appends_only_to_a_regular_file(tmp_path: Path):
+    """Where jobs are units, the job's user writes gpu-mon's lines (engine/outside.py): one line each,
+    after a partial line, never through a link at the end, never opening a FIFO, never making a file."""
+    import subprocess
+
+    from gpu_mon.engine import outside
+
+    def write(path: Path, text: str) -> None:
+        argv = ["/bin/sh", "-c", outside.NOTE_SCRIPT, "gpu-mon-note", str(path), text]
+        subprocess.run(argv, check=True, timeout=10)
+
+    log = tmp_path / "job.log"
+    log.write_text("partial")
+    line = "gpu-mon: job 1 preempted at 10:42:07: $HOME `id` %s; requeued"
+    write(log, line)
+    write(log, "again")
+    assert log.read_text() == f"partial\n{line}\nagain\n"
+    link = tmp_path / "link"
+    link.symlink_to(log)
+    write(link, "through a link")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    write(fifo, "into a FIFO")  # (would block, were it opened)
+    write(tmp_path / "none", "a new file")
+    assert log.read_text().endswith("\nagain\n") and not (tmp_path / "none").exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,10 @@ class Lab:
         wait_for(path.exists, 20, f"{path.name} written by the job")
         return json.loads(path.read_text())
 
+    def log(self, job_id: int) -> Path:
+        """The job's default output."""
+        return self.home(f".local/state/gpu-mon/jobs/{job_id}.log")
+
     def alive(self, pid: int) -> bool:
         """Whether a process of the container (its own pid) runs (a zombie does not)."""
         try:
@@ -160,8 +165,9 @@ def lab(box, host) -> Iterator[Lab]:
     finally:
         svc.systemctl("stop", UNIT, check=False)
         svc.systemctl("reset-failed", UNIT, check=False)
-        box.run(["systemctl", "stop", "gpu-mon-job-*.service"], check=False)
-        box.run(["systemctl", "reset-failed", "gpu-mon-job-*.service"], check=False)
+        units = ["gpu-mon-job-*.service", "gpu-mon-hook-*.service", "gpu-mon-note-*.service"]
+        box.run(["systemctl", "stop", *units], check=False)
+        box.run(["systemctl", "reset-failed", *units], check=False)
         box.run(["sh", "-c", f"rm -rf {DATABASE}* /tmp/qjob-* /home/{USER}/qjob-* /home/{USER}/.local"])
 
 
@@ -232,6 +238,49 @@ def test_a_foreign_open_stops_every_process_of_the_job_which_runs_again(lab: Lab
     rerun = lab.report(job, 1)
     assert rerun["cgroup"].endswith(f"/gpu-mon-job-{job}-r1.service") and rerun["cuda"] != info["cuda"]
     assert lab.box.show(unit, "ActiveState")["ActiveState"] == "inactive"
+    # The line in the job's log (0600, in the user's home: written as the user, outside gpu-mon's sandbox)
+    said = rf"^gpu-mon: job {job} preempted at [\d:]+: .*busy: root python3\[\d+\] holds {device}; requeued"
+    wait_for(lambda: re.search(said, lab.log(job).read_text(), re.M), 10, "the preemption's line in the log")
+
+
+# A hook: its line goes to the job's log; it writes the user's home and the machine's /tmp (written last).
+HOOK = (
+    'echo "hook $GPU_MON_JOB_ID $GPU_MON_JOB_STATE $GPU_MON_JOB_EXIT"; id -u >"$HOME/qjob-hook-uid"; '
+    'cat /proc/self/cgroup >"$HOME/qjob-hook-cgroup"; echo x >/tmp/qjob-hook'
+)
+# A hook that ignores SIGTERM (so does its sleep: an ignored signal stays ignored across exec).
+STUBBORN_HOOK = "trap '' TERM; echo $$ >\"$HOME/qjob-hook-pid\"; exec sleep 600"
+
+
+def test_a_hook_runs_as_its_user_in_a_unit_outside_the_sandbox_its_output_in_the_log(lab: Lab):
+    job = lab.submit("exit", "3", options=("--notify", HOOK))
+    assert lab.wait_job(job, "failed")["exit_status"] == 3
+    done = lab.box.path("/tmp/qjob-hook")
+    wait_for(lambda: done.exists() and done.read_text() == "x\n", 20, "the hook's file in the machine's /tmp")
+    assert done.stat().st_uid == lab.uid
+    uid = lab.home("qjob-hook-uid")
+    assert uid.read_text() == f"{lab.uid}\n" and uid.stat().st_uid == lab.uid
+    unit = rf"^0::/gpu_mon_jobs\.slice/gpu-mon-hook-{job}-\d+-\d+\.service$"
+    cgroup = lab.home("qjob-hook-cgroup").read_text()
+    assert re.search(unit, cgroup, re.M), cgroup
+    text = lab.log(job).read_text()
+    assert f"\nhook {job} failed 3\n" in f"\n{text}", text
+    assert lab.log(job).stat().st_uid == lab.uid
+
+
+def test_a_hook_still_running_when_gpu_mon_stops_ends_with_it(lab: Lab):
+    job = lab.submit("exit", "0", options=("--notify", STUBBORN_HOOK))
+    pidfile = lab.home("qjob-hook-pid")
+    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 20, "the hook's pid"))
+    assert lab.alive(pid)
+    lab.svc.systemctl("stop", UNIT)  # (gpu-mon gives it 2 s, then SIGTERM to its unit, then SIGKILL)
+    wait_for(lambda: not lab.alive(pid), 5, "the hook gone with gpu-mon")
+    lab.svc.wait_line(rf"^queue: job {job}: its hook was still running when gpu-mon stopped: killed$")
+    said = f"gpu-mon: job {job}: its hook was still running when gpu-mon stopped: killed\n"
+    wait_for(lambda: said in lab.log(job).read_text(), 10, "the hook's end in the job's log")
+    listing = ["systemctl", "list-units", "--all", "--plain", "--no-legend", "gpu-mon-hook-*"]
+    hooks = lab.box.run(listing).stdout
+    assert "active" not in hooks.replace("inactive", ""), hooks
 
 
 def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(lab: Lab):

@@ -32,6 +32,7 @@ from gpu_mon.config import Config, QueueSection
 from gpu_mon.engine import words
 from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
 from gpu_mon.engine.lock import DaemonLock
+from gpu_mon.engine.outside import UserUnits
 from gpu_mon.engine.workloads import transient
 from gpu_mon.engine.workloads.stopping import StopRule
 from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
@@ -114,7 +115,11 @@ class Queue:
         self.force_place = False  # a job ended (its GPUs may take the next one at once)
         self.runs = Runs()  # what status, history and metrics hear of (report())
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
-        self.hooks = Hooks(output_of, groups_of, note, supervisor.helpers)
+        # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
+        self.outside = UserUnits(supervisor.helpers) if self.systemd else None
+        self.note = self.outside.note if self.outside is not None else note
+        launch = self.outside.hook if self.outside is not None else None
+        self.hooks = Hooks(output_of, groups_of, self.note, supervisor.helpers, launch)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -184,7 +189,7 @@ class Queue:
         for job in changed:
             if job is not None:
                 at = time.strftime(_CLOCK, time.localtime(self.wall()))
-                note(job, f"gpu-mon: job {job.id} stopped at {at}: gpu-mon is stopping; requeued")
+                self.note(job, f"gpu-mon: job {job.id} stopped at {at}: gpu-mon is stopping; requeued")
 
     def close(self) -> None:
         """Stop listening; end the running hooks (a few seconds at most); close the database; let the next
@@ -192,6 +197,8 @@ class Queue:
         self.server.stop()
         self.pruner.stop()
         self.hooks.close()
+        if self.outside is not None:
+            self.outside.close()
         self.store.close()
         self.lock.release()
 
@@ -262,6 +269,8 @@ class Queue:
             for n in self.notices.changes(self.store.all(), self.store.version):
                 self.hooks.start(n, now)
         self.hooks.poll(now)
+        if self.outside is not None:
+            self.outside.poll()
         again = self.hooks.next_poll(now)
         if again is not None:
             self.next_wake = again if self.next_wake is None else min(again, self.next_wake)
@@ -386,7 +395,7 @@ class Queue:
             if job is not None:
                 again = f"requeued (restart {job.restarts + 1})" if job.requeue else "not requeued"
                 at = time.strftime(_CLOCK, time.localtime(wall))
-                note(job, f"gpu-mon: job {job.id} preempted at {at}: {job.preempted_reason}; {again}")
+                self.note(job, f"gpu-mon: job {job.id} preempted at {at}: {job.preempted_reason}; {again}")
 
     def _reconcile(self, now: float) -> None:
         """Jobs marked stopping (cancel, time limit, shutdown) whose workload has not been told yet."""
@@ -399,7 +408,7 @@ class Queue:
                 why = {J.STOP_CANCEL: "cancelled", J.STOP_TIMEOUT: "time limit"}.get(job.reason, job.reason)
                 self.supervisor.stop(job_key(job.id), why, now)
                 self._say("queue: job %d (%s): %s; stopping it", job.id, sanitize(job.user), why)
-                note(job, _stop_line(job, self.wall()))
+                self.note(job, _stop_line(job, self.wall()))
             elif w is None and job.id not in self.orphans:
                 gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
         wall = self.wall()

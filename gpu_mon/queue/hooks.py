@@ -11,6 +11,10 @@ gpu-mon leaves no hook running: when it stops, a hook has what is left of its 30
 (counted from the first round of the stop, so it overlaps the workloads' stops), then its group gets SIGTERM
 and, KILL_AFTER later, SIGKILL. A daemon killed with SIGKILL cannot do that: each hook runs under
 coreutils' `timeout`, which ends its group by itself a little after the daemon would have.
+
+Where jobs are transient units, `launch` (engine/outside.py) makes each hook one too, outside the daemon's
+sandbox: the child polled here is then the `systemd-run --wait` client, and a hook is ended through its
+unit's processes as well as the client's group.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import stat
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.queue import jobs as J
@@ -178,11 +182,34 @@ def _killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+class Reach(Protocol):
+    """What ends a hook that runs as a transient unit (engine/outside.py): every process in it."""
+
+    def signal(self, sig: int) -> bool: ...
+
+    def kill(self) -> bool: ...
+
+
+# How a hook runs outside gpu-mon (engine/outside.py, where jobs are transient units): from the job, the
+# wrapper's argv, its environment and its time limit, the client's argv and environment and what reaches it.
+Launch = Callable[[Job, List[str], Dict[str, str], float], Tuple[List[str], Dict[str, str], Reach]]
+
+
 @dataclass
 class _Running:
     popen: subprocess.Popen
     job: Job
     deadline: float
+    unit: Optional[Reach] = None  # the hook's transient unit (None: the hook is our child's group)
+
+    def signal(self, sig: int) -> None:
+        """`sig` to the hook's group (ours, unreaped: still its), and to its unit's processes."""
+        _killpg(self.popen.pid, sig)
+        if self.unit is not None:
+            if sig == signal.SIGKILL:
+                self.unit.kill()
+            else:
+                self.unit.signal(sig)
 
 
 def _late(runs: List[_Running], deadline_of: Callable[[_Running], float]) -> List[_Running]:
@@ -209,8 +236,10 @@ class Hooks:
         groups_of: Callable[[int, int], Tuple[int, ...]],
         note: Callable[[Job, str], bool],
         keep: Dict[int, subprocess.Popen],
+        launch: Optional[Launch] = None,
     ) -> None:
         self.output_of, self.groups_of, self.note = output_of, groups_of, note
+        self.launch = launch  # (None: each hook is a child of ours, as its user)
         self.keep = keep  # the supervisor's helpers: a child it must not reap for us
         self.running: List[_Running] = []
         self.stop_by: Optional[float] = None  # gpu-mon stops: no hook runs past this (monotonic)
@@ -225,9 +254,11 @@ class Hooks:
             log.info("queue: job %s: its hook is not run: gpu-mon is not root", J.ref(j))
             return
         ids = {}
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and self.launch is None:
             ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
-        argv = wrapper_argv(self.output_of(j), j.cwd or "/", cmd)
+        argv, env, unit = wrapper_argv(self.output_of(j), j.cwd or "/", cmd), environment(n), None
+        if self.launch is not None:
+            argv, env, unit = self.launch(j, argv, env, BACKSTOP_SECONDS + BACKSTOP_KILL + 1)
         try:
             popen = subprocess.Popen(
                 argv,
@@ -235,7 +266,7 @@ class Hooks:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 cwd="/",
-                env=environment(n),
+                env=env,
                 start_new_session=True,  # (its own group: killed whole after HOOK_SECONDS)
                 **ids,  # type: ignore[arg-type]
             )
@@ -243,7 +274,7 @@ class Hooks:
             self._failed(j, f"cannot run its hook: {err.strerror or err}")
             return
         self.keep[popen.pid] = popen
-        self.running.append(_Running(popen, j, now + HOOK_SECONDS))
+        self.running.append(_Running(popen, j, now + HOOK_SECONDS, unit))
         log.info("queue: job %s %s: running its hook[%d]", J.ref(j), n.state, popen.pid)
 
     def poll(self, now: float) -> None:
@@ -252,8 +283,7 @@ class Hooks:
         for r in self.running:
             code = r.popen.poll()
             if code is None and now >= r.deadline:
-                with contextlib.suppress(OSError):  # (ours, not yet reaped: the group is still its)
-                    os.killpg(r.popen.pid, signal.SIGKILL)
+                r.signal(signal.SIGKILL)  # (ours, not yet reaped: the group is still its)
                 r.popen.wait()
                 self._failed(r.job, f"its hook took over {HOOK_SECONDS:g} s: killed")
             elif code is None:
@@ -279,12 +309,12 @@ class Hooks:
         self.stopping(time.monotonic())
         late = _late(self.running, lambda r: r.deadline)
         for r in late:
-            _killpg(r.popen.pid, signal.SIGTERM)
-            _killpg(r.popen.pid, signal.SIGCONT)  # (a stopped hook hears it)
+            r.signal(signal.SIGTERM)
+            r.signal(signal.SIGCONT)  # (a stopped hook hears it)
         term_at = time.monotonic()
         _late(late, lambda r: term_at + KILL_AFTER)
         for r in self.running:
-            _killpg(r.popen.pid, signal.SIGKILL)  # (what is left of each group: a child that outlived it)
+            r.signal(signal.SIGKILL)  # (what is left of each group: a child that outlived it)
             code = r.popen.wait()  # (reaped only now: until then each group was still its leader's)
             if r in late:
                 self._failed(r.job, "its hook was still running when gpu-mon stopped: killed")

@@ -105,7 +105,7 @@ def unit_group(unit: str, proc: str = procfs.PROC) -> Optional[str]:
     return os.path.join(mount, slice_path(SLICE), unit) if mount else None
 
 
-def _escape(arg: str) -> str:
+def escape(arg: str) -> str:
     """systemd expands $NAME and ${NAME} in a unit's command line; `$$` is a plain `$`."""
     return arg.replace("$", "$$")
 
@@ -150,7 +150,7 @@ def command(
         # stops its jobs and requeues them) and starts again only once the job's unit is gone.
         out += ["-p", f"StopPropagatedFrom={bind_to}", "-p", f"Before={bind_to}"]
     out += [f"--setenv={k}={v}" for k, v in env.items()]
-    out += ["--", *[_escape(a) for a in argv]]
+    out += ["--", *[escape(a) for a in argv]]
     return out
 
 

@@ -1,0 +1,113 @@
+"""What gpu-mon runs as a job's user outside its own sandbox, where jobs are transient units (transient.py):
+a job's hook (`--notify`) and the lines gpu-mon writes into a job's log (preempted, cancelled, stopping).
+
+Under the shipped gpu-mon.service the daemon cannot do either itself: its home directories are read-only
+(ProtectHome=read-only), its /tmp is its own (PrivateTmp=yes), and its root has no CAP_DAC_OVERRIDE, so it
+may not open a user's 0600 log at all. The job ran outside the sandbox, as its user; so do these, each as a
+short transient unit of that user in gpu_mon_jobs.slice (`gpu-mon-hook-17-…`, `gpu-mon-note-17-…`), ended by
+systemd after RuntimeMaxSec= if nobody else ends it. Neither is waited for: the loop never blocks on
+systemd (the `systemd-run` client is a child that the loop polls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import time
+from typing import Dict, List, Tuple
+
+from gpu_mon.api.text import sanitize
+from gpu_mon.engine.workloads import transient
+from gpu_mon.engine.workloads.transient import Unit
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.requests import output_of
+
+log = logging.getLogger("gpu_mon")
+
+NOTE_SECONDS = 10  # a line into a log (a hung NFS home: systemd ends the writer)
+# As the user: append $2 (one line) to $1, only a regular file (never a FIFO or device, nor through a link
+# at its end), after a newline when the file ends in a partial line.
+NOTE_SCRIPT = (
+    '[ -f "$1" ] && [ ! -L "$1" ] || exit 0; '
+    '{ [ -n "$(tail -c 1 -- "$1")" ] && echo; printf "%s\\n" "$2"; } >>"$1"'
+)
+
+
+class UserUnits:
+    """Hooks and log lines as transient units of the job's user; `keep`: the supervisor's helpers (its
+    children that it must neither reap nor sweep)."""
+
+    def __init__(self, keep: Dict[int, subprocess.Popen]) -> None:
+        self.keep = keep
+        self.seq = itertools.count()
+        self.clients: List[subprocess.Popen] = []  # the notes' clients, reaped by poll()
+
+    def _argv(self, kind: str, job: Job, argv: List[str], env: Dict[str, str], seconds: float) -> Tuple:
+        """The client's command line, and the unit it starts (its name unique to this daemon)."""
+        name = f"gpu-mon-{kind}-{job.id}-{os.getpid()}-{next(self.seq)}.service"
+        kept, dropped = transient.environment(env)
+        if dropped:
+            log.debug("queue: job %d: not passed to its %s (systemd refuses them): %s", job.id, kind, dropped)
+        out = ["systemd-run", "--quiet", "--wait", f"--unit={name}", f"--uid={job.uid}", f"--gid={job.gid}"]
+        out += ["--service-type=exec", "--collect", f"--slice={transient.SLICE}", "--working-directory=/"]
+        out += [f"--description=gpu-mon: job {job.id}'s {kind}", "-p", f"RuntimeMaxSec={seconds:g}"]
+        out += ["-p", "KillMode=control-group", "-p", "TimeoutStopSec=2", "-p", "SendSIGKILL=yes"]
+        out += [f"--setenv={k}={v}" for k, v in kept.items()]
+        out += ["--", *[transient.escape(a) for a in argv]]
+        return out, Unit(name, transient.unit_group(name))
+
+    def hook(self, job: Job, argv: List[str], env: Dict[str, str], seconds: float) -> Tuple:
+        """How to run a hook (hooks.py's `launch`): the client's argv and environment, and its unit (what
+        ends the hook: `signal`, `kill`)."""
+        out, unit = self._argv("hook", job, argv, env, seconds)
+        return out, dict(transient.CLIENT_ENV), unit
+
+    def note(self, job: Job, text: str) -> bool:
+        """Append `text` to the job's log as its user (started, not waited for: whether it could be)."""
+        self.poll()
+        path = output_of(job)
+        writer = ["/bin/sh", "-c", NOTE_SCRIPT, "gpu-mon-note", path, sanitize(text, limit=1000)]
+        argv, _unit = self._argv("note", job, writer, {}, NOTE_SECONDS)
+        try:
+            client = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=dict(transient.CLIENT_ENV),
+                cwd="/",
+                start_new_session=True,
+            )
+        except OSError as err:
+            log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err)
+            return False
+        self.keep[client.pid] = client
+        self.clients.append(client)
+        return True
+
+    def poll(self) -> None:
+        """Reap the notes' clients that ended."""
+        still = []
+        for c in self.clients:
+            if c.poll() is None:
+                still.append(c)
+            else:
+                self.keep.pop(c.pid, None)
+        self.clients = still
+
+    def close(self, wait: float = 2.0) -> None:
+        """gpu-mon stops: give the notes' clients `wait` seconds in all (a stop's lines), then end those
+        left (their units end by themselves); every one reaped."""
+        deadline = time.monotonic() + wait
+        for c in self.clients:
+            try:
+                c.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(c.pid, signal.SIGKILL)
+                c.wait()
+        self.poll()
