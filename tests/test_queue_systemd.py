@@ -341,6 +341,20 @@ def test_a_unit_systemd_refuses_fails_the_job_with_the_reason_in_the_log(lab: La
     assert not lab.home(f"qjob-{job}-0.json").exists()
 
 
+def test_a_job_whose_output_cannot_be_opened_fails_with_what_its_unit_said(lab: Lab):
+    target = "/var/lib/gpu_mon/out.log"  # (gpu-mon's state directory: root's, the user may not write in it)
+    job = lab.submit("exit", "0", options=("--output", target))
+    failed = lab.wait_job(job, "failed")
+    assert failed["reason"] == f"cannot open {target}: Permission denied", failed
+    assert failed["exit_status"] == 126 and not lab.box.path(target).exists()
+    assert not lab.home(f"qjob-{job}-0.json").exists()  # its command never ran
+    assert not list(lab.box.path("/run/gpu_mon").glob("*.err"))  # (read back, then removed)
+    # a job that opens its output has nothing in that file: its errors go to its output
+    fine = lab.submit("exit", "5")
+    assert lab.wait_job(fine, "failed")["reason"] == ""
+    assert not list(lab.box.path("/run/gpu_mon").glob("*.err"))
+
+
 def test_a_daemon_outside_any_unit_that_dies_has_its_leader_stop_the_job(lab: Lab, tmp_path: Path):
     lab.svc.systemctl("stop", UNIT)
     log = tmp_path / "daemon.log"

@@ -92,6 +92,7 @@ class Queue:
         # Transient units where systemd runs the machine (LauncherError where `systemd` cannot be had)
         self.systemd = transient.choose(self.q.launcher, os.geteuid() == 0)
         self.bind_to = transient.own_service() if self.systemd else None
+        self.err_dir = os.path.dirname(config.defaults.state_file)  # a unit's stderr until its output opens
         # One daemon per queue: two that shared a database would run its jobs twice.
         self.lock = DaemonLock(self.q.database)
         self.lock.acquire()
@@ -159,6 +160,7 @@ class Queue:
                 )
                 log.info("queue: job %d: the processes an earlier gpu-mon started are stopping", job.id)
             else:
+                self._unit_said(job)  # (its file removed)
                 new = self.store.change(job.id, lambda j: J.run_lost(j, self.wall()))
                 if new is not None and new.state == J.QUEUED:
                     log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
@@ -488,8 +490,10 @@ class Queue:
             )
             if job is None or new is None:
                 continue
-            if new.state == J.FAILED and ex.detail:  # (the leader's: its output could not be opened, ...)
-                new = self.store.change(new.id, lambda j, d=ex.detail: _reason(j, d)) or new
+            said = self._unit_said(job)  # (the file goes, whatever ended the run)
+            detail = ex.detail or said  # the leader's, or the unit's: its output could not be opened, ...
+            if new.state == J.FAILED and detail:
+                new = self.store.change(new.id, lambda j, d=detail: _reason(j, d)) or new
             self.force_place = True
             after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
             self._say(
@@ -501,6 +505,14 @@ class Queue:
                 after,
             )
         self.exits = []
+
+    def _unit_said(self, job: Job) -> str:
+        """What the unit of the job's run wrote before its output was open (systemd; "" when nothing)."""
+        if not self.systemd:
+            return ""
+        return sanitize(
+            transient.take_stderr(self.err_dir, transient.unit_name(job.id, job.restarts)), limit=300
+        )
 
     def _launch(self, job: Job, gpus: Tuple[str, ...]) -> Launch:
         """The job run directly, or (systemd) `systemd-run` starting it as a unit of its own."""
@@ -516,6 +528,7 @@ class Queue:
         argv = transient.command(
             *(name, what, direct.argv, env, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to),
             main_only=job.stop_main_only,
+            stderr=transient.stderr_file(self.err_dir, name),
         )
         unit = Unit(name, transient.unit_group(name), bound=self.bind_to is not None)
         return Launch(argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit)
@@ -528,6 +541,9 @@ class Queue:
             del self.orphans[job_id]
             self.orphan_units.pop(job_id, None)
             self.force_place = True
+            job = self.store.get(job_id)
+            if job is not None:
+                self._unit_said(job)  # (its file removed)
             new = self.store.change(
                 job_id, lambda j, w=wall: J.run_lost(j, w) if j.state == J.STOPPING else None
             )

@@ -134,10 +134,14 @@ def command(
     grace: float,
     bind_to: Optional[str],
     main_only: bool = False,
+    stderr: Optional[str] = None,
 ) -> List[str]:
     """The `systemd-run` command line that runs `argv` as a transient service of its user (`main_only`: its
-    stop signal goes to its main process alone, SIGKILL to all, when systemd stops it)."""
+    stop signal goes to its main process alone, SIGKILL to all, when systemd stops it; `stderr`: a file
+    the unit's standard error goes to, made by `stderr_file`, instead of the journal)."""
     out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
+    if stderr:
+        out += ["-p", f"StandardError=file:{stderr}"]  # (made empty: file: is append:, and systemd 236's)
     out += ["--service-type=exec", "--collect", f"--slice={SLICE}", "--working-directory=/"]
     out += [f"--description={description}"]
     # When systemd stops it by itself (gpu-mon died): the job's stop signal and grace, then SIGKILL.
@@ -152,6 +156,39 @@ def command(
     out += [f"--setenv={k}={v}" for k, v in env.items()]
     out += ["--", *[escape(a) for a in argv]]
     return out
+
+
+_PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/._-]+$")
+_STDERR_TAIL = 4096  # bytes of a unit's standard error read back (a few lines are all a wrapper says)
+
+
+def stderr_file(directory: str, unit: str) -> Optional[str]:
+    """Make the (empty, root's, 0600) file that a job's unit appends its standard error to until its
+    wrapper has opened the job's output: what a failed start says (`cannot open /x/3.log: Permission
+    denied`), which a unit would otherwise leave in the journal. None where it cannot be made."""
+    path = os.path.join(directory, f"{unit}.err")
+    if not _PLAIN_PATH.match(path):
+        return None  # (a property value: no spaces, no systemd specifiers)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    except OSError as err:
+        log.debug("queue: %s: no file for its standard error: %s", unit, err.strerror)
+        return None
+    return path
+
+
+def take_stderr(directory: str, unit: str) -> str:
+    """The last line the unit wrote to its `stderr_file` ("" when none), the file removed."""
+    path = os.path.join(directory, f"{unit}.err")
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - _STDERR_TAIL))
+            tail = f.read(_STDERR_TAIL)
+        os.unlink(path)
+    except OSError:
+        return ""
+    lines = [line for line in tail.decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 class Unit:
