@@ -46,7 +46,9 @@ class UserUnits:
         self.seq = itertools.count()
         self.clients: List[subprocess.Popen] = []  # the notes' clients, reaped by poll()
 
-    def _argv(self, kind: str, job: Job, argv: List[str], env: Dict[str, str], seconds: float) -> Tuple:
+    def _argv(
+        self, kind: str, job: Job, argv: List[str], env: Dict[str, str], seconds: float
+    ) -> Tuple[List[str], Unit]:
         """The client's command line, and the unit it starts (its name unique to this daemon)."""
         name = f"gpu-mon-{kind}-{job.id}-{os.getpid()}-{next(self.seq)}.service"
         kept, dropped = transient.environment(env)
@@ -60,7 +62,9 @@ class UserUnits:
         out += ["--", *[transient.escape(a) for a in argv]]
         return out, Unit(name, transient.unit_group(name))
 
-    def hook(self, job: Job, argv: List[str], env: Dict[str, str], seconds: float) -> Tuple:
+    def hook(
+        self, job: Job, argv: List[str], env: Dict[str, str], seconds: float
+    ) -> Tuple[List[str], Dict[str, str], Unit]:
         """How to run a hook (hooks.py's `launch`): the client's argv and environment, and its unit (what
         ends the hook: `signal`, `kill`)."""
         out, unit = self._argv("hook", job, argv, env, seconds)
