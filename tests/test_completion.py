@@ -4,6 +4,7 @@ jobs (those the command can act on), asked of the daemon through `gpu-mon _job-i
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,10 @@ from test_queue import PY, User, lab, queue_body  # noqa: F401  (lab: the fixtur
 ROOT = Path(__file__).resolve().parent.parent
 BASH = ROOT / "docs" / "completion" / "bash" / "gpu-mon"
 FISH = ROOT / "docs" / "completion" / "fish" / "gpu-mon.fish"
+ZSH = ROOT / "docs" / "completion" / "zsh" / "_gpu-mon"
+# zsh's completion function outside a completion widget: compadd (a builtin only there) is a function here
+# that prints what it was given to offer.
+ZSH_COMPADD = 'compadd() { local i=${@[(i)--]}; print -l -- "${@[i+1,-1]}"; }; '
 
 
 def _complete(
@@ -24,8 +29,8 @@ def _complete(
     env_config: bool = False,
     shell: str = "bash",
 ) -> List[str]:
-    """bash's (or fish's) completion of the last of `words` as `user`, with this checkout's `gpu-mon` on
-    PATH."""
+    """bash's (or fish's, or zsh's) completion of the last of `words` as `user`, with this checkout's
+    `gpu-mon` on PATH."""
     bin_dir = lab.dir / "bin"
     if not bin_dir.exists():
         bin_dir.mkdir()
@@ -39,11 +44,17 @@ def _complete(
     )
     if shell == "fish":
         script = f"source {FISH}; complete -C {' '.join(words)!r}"
+    if shell == "zsh":
+        typed = " ".join(shlex.quote(w) for w in words)
+        script = f"autoload -Uz compinit; compinit -u -D; source {ZSH}; {ZSH_COMPADD}"
+        script += f"words=({typed}); CURRENT={len(words)}; PREFIX={shlex.quote(words[-1])}; _gpu-mon"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(user.home), "PYTHONPATH": str(lab.code)}
     if env_config:
         env["GPU_MON_CONFIG"] = str(lab.client_conf)
     r = subprocess.run(
-        [shell, "-c", script] if shell == "bash" else ["fish", "--no-config", "-c", script],
+        {"bash": ["bash", "-c", script], "zsh": ["zsh", "-fc", script]}.get(
+            shell, ["fish", "--no-config", "-c", script]
+        ),
         capture_output=True,
         text=True,
         user=user.uid,
@@ -77,3 +88,7 @@ def test_cancel_hold_release_and_logs_complete_to_the_users_own_jobs(lab, daemon
     assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""]) == [str(i) for i in held]
     assert shutil.which("fish"), "fish is not installed: apt-get install fish (as .ci/run does)"
     assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""], shell="fish") == [str(i) for i in held]
+    assert shutil.which("zsh"), "zsh is not installed: apt-get install zsh (as .ci/run does)"
+    assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""], shell="zsh") == [str(i) for i in held]
+    assert _complete(lab, lab.bob, ["gpu-mon", *conf, "cancel", ""], shell="zsh") == [str(bobs)]
+    assert _complete(lab, lab.alice, ["gpu-mon", "release", typed], env_config=True, shell="zsh") == [typed]

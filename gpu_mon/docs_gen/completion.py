@@ -225,9 +225,10 @@ _gpu-mon() {
     fi
     _gpu_mon_positional "$cmd"
     if [[ $REPLY == job-id ]]; then
-        local -a ids
-        ids=(${(f)"$(${words[1]} _job-ids "$cmd" ${config:+--config "$config"} --prefix "$PREFIX" \
-            2>/dev/null)"})
+        # (an array: zsh does not split ${config:+--config "$config"} into two words, as bash does)
+        local -a ids with
+        [[ -n $config ]] && with=(--config "$config")
+        ids=(${(f)"$(${words[1]} _job-ids "$cmd" $with --prefix "$PREFIX" 2>/dev/null)"})
         compadd -- $ids
     elif [[ $REPLY == command ]]; then
         _normal
