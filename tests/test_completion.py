@@ -91,4 +91,7 @@ def test_cancel_hold_release_and_logs_complete_to_the_users_own_jobs(lab, daemon
     assert shutil.which("zsh"), "zsh is not installed: apt-get install zsh (as .ci/run does)"
     assert _complete(lab, lab.alice, ["gpu-mon", *conf, "logs", ""], shell="zsh") == [str(i) for i in held]
     assert _complete(lab, lab.bob, ["gpu-mon", *conf, "cancel", ""], shell="zsh") == [str(bobs)]
+    joined = [f"--config={lab.client_conf}"]  # (the other way to write it)
+    for shell in ("bash", "zsh", "fish"):
+        assert _complete(lab, lab.bob, ["gpu-mon", *joined, "cancel", ""], shell=shell) == [str(bobs)], shell
     assert _complete(lab, lab.alice, ["gpu-mon", "release", typed], env_config=True, shell="zsh") == [typed]

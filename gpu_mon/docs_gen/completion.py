@@ -102,6 +102,7 @@ _WALK = """\
             rest=1; break
         elif [[ $word == -* ]]; then
             [[ $word == --config ]] && config=${WORDS[i+1]}
+            [[ $word == --config=* ]] && config=${word#--config=}
             _gpu_mon_value "$cmd" "$word"
             [[ -n $REPLY && $word != *=* ]] && ((i++))
         else
@@ -295,6 +296,7 @@ function __gpu_mon_job_ids
     set -l words (commandline -opc)
     set -l config
     set -l i (contains -i -- --config $words); and set config --config $words[(math $i + 1)]
+    set -l given (string replace -rf -- '^--config=' '' $words); and set config --config $given[-1]
     set -l command (string replace -a / ' ' -- (__gpu_mon_path))
     $words[1] _job-ids $command $config --prefix (commandline -ct) 2>/dev/null
 end

@@ -42,6 +42,7 @@ function __gpu_mon_job_ids
     set -l words (commandline -opc)
     set -l config
     set -l i (contains -i -- --config $words); and set config --config $words[(math $i + 1)]
+    set -l given (string replace -rf -- '^--config=' '' $words); and set config --config $given[-1]
     set -l command (string replace -a / ' ' -- (__gpu_mon_path))
     $words[1] _job-ids $command $config --prefix (commandline -ct) 2>/dev/null
 end
