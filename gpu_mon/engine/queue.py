@@ -269,7 +269,7 @@ class Queue:
         running (a round again soon while any runs)."""
         if self.store.version != self.notices.version:
             for n in self.notices.changes(self.store.all(), self.store.version):
-                self.hooks.start(n, now)
+                self.hooks.add(n, now)
         self.hooks.poll(now)
         if self.outside is not None:
             self.outside.poll()

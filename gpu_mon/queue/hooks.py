@@ -31,7 +31,7 @@ import stat
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.queue import jobs as J
@@ -40,6 +40,13 @@ from gpu_mon.queue.jobs import Job
 log = logging.getLogger("gpu_mon")
 
 HOOK_SECONDS = 30.0
+# A flood of notices (a 10 000-element --notify-each array cancelled at once) never becomes a flood of
+# processes, nor a loop busy spawning them: hooks wait their turn, each user's in order.
+MAX_RUNNING = 16  # hooks running at once on the machine
+MAX_PER_USER = 4  # of them, one user's (another user's hook is not held up behind a flood)
+MAX_STARTS = 2  # hooks started in one look (2-4 ms each: a look stays short, a yield is never held up)
+TURN_SECONDS = 0.05  # how soon the loop looks again while hooks wait (so up to 40 hooks a second)
+DEFAULT_HOOK_TTL = 5.0  # seconds a user's ~/.config/gpu-mon/notify (there or not) is believed
 POLL_SECONDS = 0.2  # how often running hooks are looked at
 STOP_GRACE = 2.0  # gpu-mon stops: what a running hook still has, at most (then SIGTERM to its group)
 KILL_AFTER = 1.0  # then SIGKILL to the group
@@ -47,10 +54,11 @@ BACKSTOP_SECONDS = HOOK_SECONDS + 1.0  # `timeout` ends a hook by itself (its da
 BACKSTOP_KILL = 2  # and SIGKILLs its group this many seconds after its SIGTERM
 DEFAULT_HOOK = ".config/gpu-mon/notify"  # under the user's home
 PREEMPTED, REQUEUED = "preempted", "requeued"
-# As the user: the job's log for output (/dev/null when it cannot be opened), its directory, then the hook.
+# As the user: the job's log for output (/dev/null when it cannot be opened: `command` keeps a failed
+# redirection of `exec` from ending the shell, as it would a special builtin's), its directory, then the hook.
 # $1 the log, $2 the directory, $3 the hook's command line, then what runs it (`timeout ... `, or nothing).
 _WRAPPER = (
-    '{ exec >>"$1"; } 2>/dev/null || exec >/dev/null; exec 2>&1; '
+    '{ command exec >>"$1"; } 2>/dev/null || exec >/dev/null; exec 2>&1; '
     'cd -- "$2" 2>/dev/null || cd / || exit 126; cmd=$3; shift 3; exec "$@" /bin/sh -c "$cmd"'
 )
 
@@ -142,12 +150,10 @@ def environment(n: Notice) -> Dict[str, str]:
     return env
 
 
-def command_of(job: Job) -> str:
-    """The hook's command line: --notify's, else the user's executable default hook, else ""."""
-    if job.notify:
-        return job.notify[0]
+def default_hook(uid: int) -> str:
+    """The user's executable ~/.config/gpu-mon/notify as a command line, else ""."""
     try:
-        home = pwd.getpwuid(job.uid).pw_dir
+        home = pwd.getpwuid(uid).pw_dir
     except KeyError:
         return ""
     path = os.path.join(home, DEFAULT_HOOK)
@@ -242,17 +248,57 @@ class Hooks:
         self.launch = launch  # (None: each hook is a child of ours, as its user)
         self.keep = keep  # the supervisor's helpers: a child it must not reap for us
         self.running: List[_Running] = []
+        self.waiting: Dict[int, Deque[Tuple[Notice, str]]] = {}  # uid -> its notices with a hook, in order
+        self.defaults: Dict[int, Tuple[float, str]] = {}  # uid -> (when, its default hook) (_default_hook)
         self.stop_by: Optional[float] = None  # gpu-mon stops: no hook runs past this (monotonic)
 
-    def start(self, n: Notice, now: float) -> None:
-        """Run the job's hook, if it has one (never as root for another user's job)."""
-        cmd = command_of(n.job)
-        if not cmd or self.stop_by is not None:
+    def add(self, n: Notice, now: float) -> None:
+        """The job's hook, if it has one, waits its turn (never run as root for another user's job)."""
+        if self.stop_by is not None:
             return
+        cmd = n.job.notify[0] if n.job.notify else self._default_hook(n.job.uid, now)
+        if not cmd:
+            return
+        if os.geteuid() != 0 and n.job.uid != os.geteuid():
+            log.info("queue: job %s: its hook is not run: gpu-mon is not root", J.ref(n.job))
+            return
+        self.waiting.setdefault(n.job.uid, collections.deque()).append((n, cmd))
+
+    def _default_hook(self, uid: int, now: float) -> str:
+        """default_hook(uid), looked up once in DEFAULT_HOOK_TTL (a thousand jobs ending together: one
+        lookup of the user, however slow the directory service)."""
+        found = self.defaults.get(uid)
+        if found is None or now - found[0] > DEFAULT_HOOK_TTL:
+            if len(self.defaults) > 1000:
+                self.defaults = {}
+            found = self.defaults[uid] = (now, default_hook(uid))
+        return found[1]
+
+    def _start_waiting(self, now: float) -> None:
+        """Start waiting hooks, a user at a time in turn: at most MAX_STARTS now, MAX_RUNNING in all,
+        MAX_PER_USER of one user's."""
+        started = 0
+        busy = collections.Counter(r.job.uid for r in self.running)
+        progressed = True
+        while progressed:
+            progressed = False
+            for uid in list(self.waiting):
+                if started >= MAX_STARTS or len(self.running) >= MAX_RUNNING:
+                    return
+                if busy[uid] >= MAX_PER_USER:
+                    continue
+                n, cmd = self.waiting[uid].popleft()
+                rest = self.waiting.pop(uid)
+                if rest:
+                    self.waiting[uid] = rest  # (to the back of the line: the next user's turn)
+                started += 1
+                progressed = True
+                if self._start(n, cmd, now):
+                    busy[uid] += 1
+
+    def _start(self, n: Notice, cmd: str, now: float) -> bool:
+        """Run the job's hook `cmd`; whether it started."""
         j = n.job
-        if os.geteuid() != 0 and j.uid != os.geteuid():
-            log.info("queue: job %s: its hook is not run: gpu-mon is not root", J.ref(j))
-            return
         ids = {}
         if os.geteuid() == 0 and self.launch is None:
             ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
@@ -272,13 +318,20 @@ class Hooks:
             )
         except OSError as err:
             self._failed(j, f"cannot run its hook: {err.strerror or err}")
-            return
+            return False
         self.keep[popen.pid] = popen
         self.running.append(_Running(popen, j, now + HOOK_SECONDS, unit))
         log.info("queue: job %s %s: running its hook[%d]", J.ref(j), n.state, popen.pid)
+        return True
 
     def poll(self, now: float) -> None:
-        """Reap the hooks that ended (a failure: one line each), kill those past their time."""
+        """Reap the hooks that ended (a failure: one line each), kill those past their time, start those
+        whose turn came."""
+        self._reap(now)
+        if self.stop_by is None:
+            self._start_waiting(now)
+
+    def _reap(self, now: float) -> None:
         still: List[_Running] = []
         for r in self.running:
             code = r.popen.poll()
@@ -299,6 +352,10 @@ class Hooks:
         STOP_GRACE more (the first call counts)."""
         if self.stop_by is None:
             self.stop_by = now + STOP_GRACE
+            left = sum(len(q) for q in self.waiting.values())
+            if left:
+                log.warning("queue: gpu-mon stops: %d hook(s) waiting to run are not run", left)
+            self.waiting = {}
         for r in self.running:
             r.deadline = min(r.deadline, self.stop_by)
 
@@ -324,7 +381,9 @@ class Hooks:
         self.running = []
 
     def next_poll(self, now: float) -> Optional[float]:
-        """When the running hooks should be looked at again (None: none runs)."""
+        """When the hooks should be looked at again (None: none runs or waits)."""
+        if self.waiting:
+            return now + TURN_SECONDS
         return now + POLL_SECONDS if self.running else None
 
     def _failed(self, job: Job, what: str) -> None:
