@@ -56,7 +56,8 @@ tag = env["GPU_MON_JOB_ID"] + "-" + str(restart)
 with open("/tmp/qjob-" + tag, "w") as f:
     f.write("tmp")
 info = {"uid": os.getuid(), "cgroup": open("/proc/self/cgroup").read().strip(), "cwd": os.getcwd(),
-        "cuda": env.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv[1:], "pid": os.getpid()}
+        "cuda": env.get("CUDA_VISIBLE_DEVICES"), "argv": sys.argv[1:], "pid": os.getpid(),
+        "env": {k: v for k, v in env.items() if k.startswith("QT_")}}
 mode = sys.argv[1]
 if mode == "stubborn":  # it uses its GPU: holds its device node open (so does its child)
     sim = json.load(open("/srv/gpu-mon-test/sim.json"))
@@ -98,10 +99,11 @@ class Lab:
         self.box = service.box
         self.uid = uid
 
-    def submit(self, *command: str, options: Tuple[str, ...] = ()) -> int:
-        """`gpu-mon submit` as the user, from the user's home, with the system's Python."""
+    def submit(self, *command: str, options: Tuple[str, ...] = (), extra: Tuple[str, ...] = ()) -> int:
+        """`gpu-mon submit` as the user, from the user's home, with the system's Python (`extra`: more
+        NAME=VALUE in its environment)."""
         env = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME=/home/{USER}", f"USER={USER}", "LANG=C.UTF-8"]
-        env += [f"PYTHONPATH={CHECKOUT}"]
+        env += [f"PYTHONPATH={CHECKOUT}", *extra]
         client = ["/usr/bin/python3", "-m", "gpu_mon", "--config", CLIENT_CONF, "submit", "--json", *options]
         client += ["--"]
         argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--init-groups", *env]
@@ -353,6 +355,38 @@ def test_a_job_whose_output_cannot_be_opened_fails_with_what_its_unit_said(lab: 
     fine = lab.submit("exit", "5")
     assert lab.wait_job(fine, "failed")["reason"] == ""
     assert not list(lab.box.path("/run/gpu_mon").glob("*.err"))
+
+
+# What a job's environment may hold: systemd's environment-file parser must take each literally.
+TRICKY = {
+    "QT_QUOTES": "it's \"quoted\" and 'twice'",
+    "QT_DOLLAR": "$HOME ${USER} $$ %n %% `id`",
+    "QT_SPACES": "  two  spaces  ",
+    "QT_TAB": "a\tb",
+    "QT_NEWLINE": "line one\nline two",
+    "QT_UNICODE": "héllo ✓",
+    "QT_EMPTY": "",
+    "QT_EQUALS": "a=b=c",
+    "QT_HASH": "#not a comment",
+    "QT_BACKSLASH": "ends with \\",
+}
+
+
+def test_a_jobs_environment_reaches_it_intact_and_is_never_on_a_command_line(lab: Lab):
+    secret = "hunter2-" + str(os.getpid())
+    env = {**TRICKY, "QT_SECRET": secret}
+    job = lab.submit("run", extra=tuple(f"{k}={v}" for k, v in env.items()))
+    info = lab.report(job, 0)
+    assert info["env"] == env
+    # Another user on the machine reads every command line (ps): the job's environment is not in any.
+    ps = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "ps", "-eo", "args"]
+    seen = lab.box.run(ps).stdout
+    assert "systemd-run" in seen and "EnvironmentFile=" in seen and secret not in seen, seen
+    files = list(lab.box.path("/run/gpu_mon").glob(f"gpu-mon-job-{job}-r0.service.env"))
+    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600 and files[0].stat().st_uid == 0
+    lab.box.run([_gpu_mon(), "--config", CLIENT_CONF, "cancel", str(job)])
+    lab.wait_job(job, "cancelled")
+    assert not files[0].exists()  # (removed when the run ended)
 
 
 def test_a_daemon_outside_any_unit_that_dies_has_its_leader_stop_the_job(lab: Lab, tmp_path: Path):

@@ -29,6 +29,7 @@ from gpu_mon.queue.requests import output_of
 log = logging.getLogger("gpu_mon")
 
 NOTE_SECONDS = 10  # a line into a log (a hung NFS home: systemd ends the writer)
+FILE_SECONDS = 120.0  # a hook's environment file is removed this long after (its unit is long gone)
 # As the user: append $2 (one line) to $1, only a regular file (never a FIFO or device, nor through a link
 # at its end), after a newline when the file ends in a partial line.
 NOTE_SCRIPT = (
@@ -41,24 +42,31 @@ class UserUnits:
     """Hooks and log lines as transient units of the job's user; `keep`: the supervisor's helpers (its
     children that it must neither reap nor sweep)."""
 
-    def __init__(self, keep: Dict[int, subprocess.Popen]) -> None:
+    def __init__(self, keep: Dict[int, subprocess.Popen], directory: str) -> None:
         self.keep = keep
+        self.directory = directory  # root's: the hooks' environment files (never on a command line)
+        self.files: Dict[str, float] = {}  # environment file -> when it was written (monotonic)
         self.seq = itertools.count()
         self.clients: List[subprocess.Popen] = []  # the notes' clients, reaped by poll()
 
     def _argv(
         self, kind: str, job: Job, argv: List[str], env: Dict[str, str], seconds: float
     ) -> Tuple[List[str], Unit]:
-        """The client's command line, and the unit it starts (its name unique to this daemon)."""
+        """The client's command line, and the unit it starts (its name unique to this daemon). OSError
+        when its environment cannot be written."""
         name = f"gpu-mon-{kind}-{job.id}-{os.getpid()}-{next(self.seq)}.service"
         kept, dropped = transient.environment(env)
         if dropped:
             log.debug("queue: job %d: not passed to its %s (systemd refuses them): %s", job.id, kind, dropped)
+        env_path = transient.env_file(self.directory, name, kept) if kept else None
+        if env_path:
+            self.files[env_path] = time.monotonic()
         out = ["systemd-run", "--quiet", "--wait", f"--unit={name}", f"--uid={job.uid}", f"--gid={job.gid}"]
         out += ["--service-type=exec", "--collect", f"--slice={transient.SLICE}", "--working-directory=/"]
         out += [f"--description=gpu-mon: job {job.id}'s {kind}", "-p", f"RuntimeMaxSec={seconds:g}"]
         out += ["-p", "KillMode=control-group", "-p", "TimeoutStopSec=2", "-p", "SendSIGKILL=yes"]
-        out += [f"--setenv={k}={v}" for k, v in kept.items()]
+        if env_path:
+            out += ["-p", f"EnvironmentFile={env_path}"]
         out += ["--", *[transient.escape(a) for a in argv]]
         return out, Unit(name, transient.unit_group(name))
 
@@ -75,8 +83,8 @@ class UserUnits:
         self.poll()
         path = output_of(job)
         writer = ["/bin/sh", "-c", NOTE_SCRIPT, "gpu-mon-note", path, sanitize(text, limit=1000)]
-        argv, _unit = self._argv("note", job, writer, {}, NOTE_SECONDS)
         try:
+            argv, _unit = self._argv("note", job, writer, {}, NOTE_SECONDS)
             client = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
@@ -94,7 +102,10 @@ class UserUnits:
         return True
 
     def poll(self) -> None:
-        """Reap the notes' clients that ended."""
+        """Reap the notes' clients that ended; remove the hooks' old environment files."""
+        now = time.monotonic()
+        for path in [p for p, at in self.files.items() if now - at > FILE_SECONDS]:
+            self._remove(path)
         still = []
         for c in self.clients:
             if c.poll() is None:
@@ -115,3 +126,10 @@ class UserUnits:
                     os.killpg(c.pid, signal.SIGKILL)
                 c.wait()
         self.poll()
+        for path in list(self.files):
+            self._remove(path)
+
+    def _remove(self, path: str) -> None:
+        del self.files[path]
+        with contextlib.suppress(OSError):
+            os.unlink(path)

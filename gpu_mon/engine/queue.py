@@ -92,7 +92,8 @@ class Queue:
         # Transient units where systemd runs the machine (LauncherError where `systemd` cannot be had)
         self.systemd = transient.choose(self.q.launcher, os.geteuid() == 0)
         self.bind_to = transient.own_service() if self.systemd else None
-        self.err_dir = os.path.dirname(config.defaults.state_file)  # a unit's stderr until its output opens
+        # The files of a job's unit: its environment, what it says before its output is open
+        self.run_dir = os.path.dirname(config.defaults.state_file)
         # One daemon per queue: two that shared a database would run its jobs twice.
         self.lock = DaemonLock(self.q.database)
         self.lock.acquire()
@@ -117,7 +118,7 @@ class Queue:
         self.runs = Runs()  # what status, history and metrics hear of (report())
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
         # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
-        self.outside = UserUnits(supervisor.helpers) if self.systemd else None
+        self.outside = UserUnits(supervisor.helpers, self.run_dir) if self.systemd else None
         self.note = self.outside.note if self.outside is not None else note
         launch = self.outside.hook if self.outside is not None else None
         self.hooks = Hooks(output_of, groups_of, self.note, supervisor.helpers, launch)
@@ -507,11 +508,12 @@ class Queue:
         self.exits = []
 
     def _unit_said(self, job: Job) -> str:
-        """What the unit of the job's run wrote before its output was open (systemd; "" when nothing)."""
+        """What the unit of the job's run wrote before its output was open (systemd; "" when nothing);
+        its files removed."""
         if not self.systemd:
             return ""
         return sanitize(
-            transient.take_stderr(self.err_dir, transient.unit_name(job.id, job.restarts)), limit=300
+            transient.unit_ended(self.run_dir, transient.unit_name(job.id, job.restarts)), limit=300
         )
 
     def _launch(self, job: Job, gpus: Tuple[str, ...]) -> Launch:
@@ -525,10 +527,14 @@ class Queue:
             names = sanitize(", ".join(sorted(dropped)), limit=200)
             log.info("queue: job %d: not passed to its unit (systemd refuses them): %s", job.id, names)
         what = f"gpu-mon job {job.id} of {job.user} (restart {job.restarts})"
+        try:
+            env_path = transient.env_file(self.run_dir, name, env)
+        except OSError as err:  # (never on systemd-run's command line: anyone may read that)
+            raise StartError(f"cannot write its environment for systemd: {err.strerror or err}") from None
         argv = transient.command(
-            *(name, what, direct.argv, env, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to),
+            *(name, what, direct.argv, env_path, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to),
             main_only=job.stop_main_only,
-            stderr=transient.stderr_file(self.err_dir, name),
+            stderr=transient.stderr_file(self.run_dir, name),
         )
         unit = Unit(name, transient.unit_group(name), bound=self.bind_to is not None)
         return Launch(argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit)

@@ -303,9 +303,9 @@ class Hooks:
         if os.geteuid() == 0 and self.launch is None:
             ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
         argv, env, unit = wrapper_argv(self.output_of(j), j.cwd or "/", cmd), environment(n), None
-        if self.launch is not None:
-            argv, env, unit = self.launch(j, argv, env, BACKSTOP_SECONDS + BACKSTOP_KILL + 1)
         try:
+            if self.launch is not None:  # (OSError too: its environment cannot be written)
+                argv, env, unit = self.launch(j, argv, env, BACKSTOP_SECONDS + BACKSTOP_KILL + 1)
             popen = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,

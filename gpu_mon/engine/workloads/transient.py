@@ -15,6 +15,8 @@ exit) and 255 for one any other signal killed; the line it prints as the unit en
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import re
@@ -115,7 +117,7 @@ def environment(env: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
     functions, `BASH_FUNC_x%%`, or control characters in a value)."""
     kept, dropped = {}, []
     for name, value in env.items():
-        bad = any((ord(c) < 32 and c not in "\t\n") or ord(c) == 127 for c in value)
+        bad = any((ord(c) < 32 and c not in "\t\n") or ord(c) == 127 for c in value) or not _utf8(value)
         if _ENV_NAME.match(name) and not bad:
             kept[name] = value
         else:
@@ -123,11 +125,40 @@ def environment(env: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
     return kept, dropped
 
 
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # (a lone surrogate: bytes that were not UTF-8 in the submitter's env)
+        return False
+    return True
+
+
+def _quoted(value: str) -> str:
+    """The value in double quotes for systemd's environment-file parser: only a quote and a backslash are
+    escaped (every systemd reads those two back; `$` and newlines are literal there)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def env_file(directory: str, unit: str, env: Dict[str, str]) -> str:
+    """Write the unit's environment (from `environment`) to a root-only file that systemd reads as it
+    starts the unit (EnvironmentFile=): on systemd-run's command line it would be anyone's to read with
+    `ps` while the job runs, tokens and all. Each value double-quoted. Removed by `unit_ended`. OSError
+    when it cannot be written."""
+    path = os.path.join(directory, f"{unit}.env")
+    if not _PLAIN_PATH.match(path):
+        raise OSError(errno.EINVAL, "not a plain path (letters, digits, /._-)", path)
+    text = "".join(f"{name}={_quoted(value)}\n" for name, value in env.items())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
 def command(
     unit: str,
     description: str,
     argv: Tuple[str, ...],
-    env: Dict[str, str],
+    env_path: Optional[str],
     uid: int,
     gid: int,
     stop_signal: int,
@@ -136,9 +167,10 @@ def command(
     main_only: bool = False,
     stderr: Optional[str] = None,
 ) -> List[str]:
-    """The `systemd-run` command line that runs `argv` as a transient service of its user (`main_only`: its
-    stop signal goes to its main process alone, SIGKILL to all, when systemd stops it; `stderr`: a file
-    the unit's standard error goes to, made by `stderr_file`, instead of the journal)."""
+    """The `systemd-run` command line that runs `argv` as a transient service of its user, with the
+    environment in `env_path` (`env_file`; never on the command line) (`main_only`: its stop signal goes
+    to its main process alone, SIGKILL to all, when systemd stops it; `stderr`: a file the unit's standard
+    error goes to, made by `stderr_file`, instead of the journal)."""
     out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
     if stderr:
         out += ["-p", f"StandardError=file:{stderr}"]  # (made empty: file: is append:, and systemd 236's)
@@ -153,7 +185,8 @@ def command(
         # (BindsTo= would restart the job itself, behind gpu-mon's back). Before=: gpu-mon stops first (it
         # stops its jobs and requeues them) and starts again only once the job's unit is gone.
         out += ["-p", f"StopPropagatedFrom={bind_to}", "-p", f"Before={bind_to}"]
-    out += [f"--setenv={k}={v}" for k, v in env.items()]
+    if env_path:
+        out += ["-p", f"EnvironmentFile={env_path}"]
     out += ["--", *[escape(a) for a in argv]]
     return out
 
@@ -177,8 +210,10 @@ def stderr_file(directory: str, unit: str) -> Optional[str]:
     return path
 
 
-def take_stderr(directory: str, unit: str) -> str:
-    """The last line the unit wrote to its `stderr_file` ("" when none), the file removed."""
+def unit_ended(directory: str, unit: str) -> str:
+    """The last line the unit wrote to its `stderr_file` ("" when none); its files removed."""
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, f"{unit}.env"))
     path = os.path.join(directory, f"{unit}.err")
     try:
         with open(path, "rb") as f:
