@@ -88,6 +88,11 @@ FILES = Topic(
             "The queue's socket: users' commands reach the daemon here ([queue] socket).",
         ),
         ("/var/lib/gpu_mon/queue.sqlite", "The queue's jobs, root's alone ([queue] database)."),
+        (
+            "/run/gpu_mon/UNIT.env, UNIT.err",
+            "Where jobs are systemd units: a run's environment for systemd (never on a command line) and "
+            "what its start said; root's alone, removed when the run ends.",
+        ),
         ("/var/lib/gpu_mon/history.sqlite", "The history `gpu-mon report` reads ([history] path)."),
         ("/var/log/gpu-mon/", "For workloads' `log =` files (created by the shipped unit)."),
         ("~/.local/state/gpu-mon/jobs/ID.log", "A queued job's output without `--output`."),

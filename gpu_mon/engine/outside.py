@@ -61,13 +61,11 @@ class UserUnits:
         env_path = transient.env_file(self.directory, name, kept) if kept else None
         if env_path:
             self.files[env_path] = time.monotonic()
-        out = ["systemd-run", "--quiet", "--wait", f"--unit={name}", f"--uid={job.uid}", f"--gid={job.gid}"]
-        out += ["--service-type=exec", "--collect", f"--slice={transient.SLICE}", "--working-directory=/"]
-        out += [f"--description=gpu-mon: job {job.id}'s {kind}", "-p", f"RuntimeMaxSec={seconds:g}"]
-        out += ["-p", "KillMode=control-group", "-p", "TimeoutStopSec=2", "-p", "SendSIGKILL=yes"]
-        if env_path:
-            out += ["-p", f"EnvironmentFile={env_path}"]
-        out += ["--", *[transient.escape(a) for a in argv]]
+        what = f"gpu-mon: job {job.id}'s {kind}"  # (SIGTERM, 2 s, SIGKILL when systemd ends it)
+        out = transient.command(
+            *(name, what, tuple(argv), env_path, job.uid, job.gid, signal.SIGTERM, 1.0, None),
+            runtime_max=seconds,
+        )
         return out, Unit(name, transient.unit_group(name))
 
     def hook(

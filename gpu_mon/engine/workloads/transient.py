@@ -144,14 +144,7 @@ def env_file(directory: str, unit: str, env: Dict[str, str]) -> str:
     starts the unit (EnvironmentFile=): on systemd-run's command line it would be anyone's to read with
     `ps` while the job runs, tokens and all. Each value double-quoted. Removed by `unit_ended`. OSError
     when it cannot be written."""
-    path = os.path.join(directory, f"{unit}.env")
-    if not _PLAIN_PATH.match(path):
-        raise OSError(errno.EINVAL, "not a plain path (letters, digits, /._-)", path)
-    text = "".join(f"{name}={_quoted(value)}\n" for name, value in env.items())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    return path
+    return _root_file(directory, unit, ".env", "".join(f"{k}={_quoted(v)}\n" for k, v in env.items()))
 
 
 def command(
@@ -166,12 +159,16 @@ def command(
     bind_to: Optional[str],
     main_only: bool = False,
     stderr: Optional[str] = None,
+    runtime_max: Optional[float] = None,
 ) -> List[str]:
     """The `systemd-run` command line that runs `argv` as a transient service of its user, with the
     environment in `env_path` (`env_file`; never on the command line) (`main_only`: its stop signal goes
     to its main process alone, SIGKILL to all, when systemd stops it; `stderr`: a file the unit's standard
-    error goes to, made by `stderr_file`, instead of the journal)."""
+    error goes to, made by `stderr_file`, instead of the journal; `runtime_max`: systemd ends it after that
+    many seconds, and systemd-run says nothing but its exit status, as for a hook)."""
     out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
+    if runtime_max is not None:
+        out += ["--quiet", "-p", f"RuntimeMaxSec={runtime_max:g}"]
     if stderr:
         out += ["-p", f"StandardError=file:{stderr}"]  # (made empty: file: is append:, and systemd 236's)
     out += ["--service-type=exec", "--collect", f"--slice={SLICE}", "--working-directory=/"]
@@ -195,19 +192,27 @@ _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/._-]+$")
 _STDERR_TAIL = 4096  # bytes of a unit's standard error read back (a few lines are all a wrapper says)
 
 
+def _root_file(directory: str, unit: str, suffix: str, text: str = "") -> str:
+    """Write `text` to the unit's root-only (0600) file DIRECTORY/UNIT.SUFFIX, a value of a unit
+    property (so a plain path: no blanks, no systemd specifiers); its path. OSError if it cannot be."""
+    path = os.path.join(directory, f"{unit}{suffix}")
+    if not _PLAIN_PATH.match(path):
+        raise OSError(errno.EINVAL, "not a plain path (letters, digits, /._-)", path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
 def stderr_file(directory: str, unit: str) -> Optional[str]:
     """Make the (empty, root's, 0600) file that a job's unit appends its standard error to until its
     wrapper has opened the job's output: what a failed start says (`cannot open /x/3.log: Permission
     denied`), which a unit would otherwise leave in the journal. None where it cannot be made."""
-    path = os.path.join(directory, f"{unit}.err")
-    if not _PLAIN_PATH.match(path):
-        return None  # (a property value: no spaces, no systemd specifiers)
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        return _root_file(directory, unit, ".err")
     except OSError as err:
         log.debug("queue: %s: no file for its standard error: %s", unit, err.strerror)
         return None
-    return path
 
 
 def unit_ended(directory: str, unit: str) -> str:
