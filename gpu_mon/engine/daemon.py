@@ -378,12 +378,14 @@ class Daemon:
             self._yield_first(now)
             if self.sent_first:  # (its handler runs now, even where other processes hold every core)
                 self.opens.wait(_STEP_ASIDE_SECONDS)
-            explained = self._explained("changed", uuids, polite=bool(self.sent_first)) or explained
+            explained = self._explained("changed", uuids, polite=bool(self.sent_first)) | explained
         for uuid in self.openers.note(uuids, before, now):  # a process we cannot read opened it: at once
             log.debug("open of %s by a process whose files cannot be read", uuid)
         self.open_retry = None if explained else retry_for(uuids, named, now)
         if explained:
             self._round(now, scan=None)
+            if not self._still_held(explained, uuids):
+                self.open_retry = retry_for(uuids, named, now)
             # Explained by *a* new holder, which may only have inherited the descriptor (a fork) while the
             # opener swapped one in place and went unseen: confirm with a full scan soon.
             if self.deferred_full is None:
@@ -405,24 +407,32 @@ class Daemon:
         """An open no scan explained, looked at again: its openers and the processes that changed."""
         retry, self.open_retry = self.open_retry, None
         assert retry is not None
-        if self._explained("first", set(retry.uuids), retry.openers):
+        explained = self._explained("first", set(retry.uuids), retry.openers)
+        if explained:
             log.debug("an open of %d GPU(s) explained on look %d", len(retry.uuids), retry.step + 2)
             self._round(now, scan=None)
-        else:
+        if not explained or not self._still_held(explained, set(retry.uuids)):
             self.open_retry = retry.later(now)
+
+    def _still_held(self, explainers: Set[int], uuids: Set[Optional[str]]) -> bool:
+        """Whether a process that explained an open still holds that GPU after the round. One that let go by
+        the round's look again (it opened and closed the node) leaves the open looked at again, as one no
+        scan explained: a descriptor it is handed later (SCM_RIGHTS, pidfd_getfd) makes no event of its
+        own, and was found only by the next poll (a CI flake, polls 30 s apart)."""
+        return any(h.pid in explainers and h.gpus & uuids for h in self.observer.holders)
 
     def _explained(
         self, scan: str, uuids: Set[Optional[str]], openers: Iterable[int] = (), polite: bool = False
-    ) -> bool:
-        """Scan; whether a process that scan read now holds one of these GPUs. A 'first' scan reads the
-        `openers` the kernel named first and stops at the first holder of one of them that is not ours and
-        that its [gpu-*] section does not ignore."""
+    ) -> Set[int]:
+        """Scan; the processes that scan read that now hold one of these GPUs (none: not explained). A
+        'first' scan reads the `openers` the kernel named first and stops at the first holder of one of them
+        that is not ours and that its [gpu-*] section does not ignore."""
         enough = self._foreign_holder(uuids) if scan == "first" else None
         mode = scan if enough else "changed"
         pause = _let_others_run if polite else None  # (a workload just signalled may be waiting for a core)
         self.observer.scan(mode, self.supervisor.sessions(), enough=enough, first=openers, pause=pause)
         rescanned = self.observer.last_rescanned
-        return any(h.pid in rescanned and h.gpus & uuids for h in self.observer.holders)
+        return {h.pid for h in self.observer.holders if h.pid in rescanned and h.gpus & uuids}
 
     def _foreign_holder(self, uuids: Set[Optional[str]]) -> Optional[Callable[[Holder], bool]]:
         """Whether a holder makes one of these GPUs busy by the policy's rule for holders (one more holder
