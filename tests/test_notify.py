@@ -139,7 +139,7 @@ def test_no_notify_socket_is_a_no_op(monkeypatch):
     "env,expected",
     [
         ({"WATCHDOG_USEC": "30000000"}, 15.0),
-        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}, None),  # meant for another process
+        ({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": str(os.getpid() + 1)}, None),  # for another process
         ({"WATCHDOG_USEC": "0"}, None),
         ({"WATCHDOG_USEC": "x"}, None),
         ({}, None),

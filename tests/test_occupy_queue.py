@@ -81,7 +81,7 @@ def test_a_live_daemons_running_jobs_are_read_and_reread_when_they_change(held):
     [
         (b"{not json", "not valid JSON"),
         (b"[]", "not a gpu-mon state file"),
-        (json.dumps(_state(1)).encode(), "written by another daemon than pid"),
+        (json.dumps(_state(os.getpid() + 1)).encode(), "written by another daemon than pid"),
         (json.dumps(_state(os.getpid(), [{"id": "x", "user": "a", "gpus": []}])).encode(), "cannot be read"),
         (json.dumps(_state(os.getpid(), [{"id": 1, "user": "a", "gpus": [7]}])).encode(), "cannot be read"),
         (json.dumps(_state(os.getpid(), {"id": 1})).encode(), "cannot be read"),
