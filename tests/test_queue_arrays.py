@@ -226,6 +226,7 @@ def test_an_array_runs_each_element_as_a_job_with_its_index_limit_and_output(ala
         "submit",
         "--array",
         "0-4,8%2",
+        "--hold",  # (listed before any element runs, however slow the machine: released below)
         "--output",
         out,
         "--",
@@ -235,14 +236,16 @@ def test_an_array_runs_each_element_as_a_job_with_its_index_limit_and_output(ala
         "0",
         lab.marker,
     )
-    assert r.returncode == 0 and r.stdout == "job 1: 6 elements queued (0 ahead)\n", r.stderr
+    assert r.returncode == 0 and r.stdout == "job 1: 6 elements held (0 ahead)\n", r.stderr
     # ben may see it but not touch it
     for op in ("cancel", "hold", "release"):
         for ref in ("1", "1_3"):
             r = lab.run(ben, op, ref)
             assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {ref} is gmaann's, not yours\n")
     r = lab.run(ann, "jobs")
-    assert r.returncode == 0 and "1_[" in r.stdout, r.stdout
+    assert r.returncode == 0 and "1_[0-4,8] (6)" in r.stdout, r.stdout
+    r = lab.run(ann, "release", "1")
+    assert (r.returncode, r.stdout) == (0, "job 1: queued (6 of 6 elements)\n"), r.stderr
     r = lab.run(ann, "wait", "1")
     assert r.returncode == 0, r.stderr
     jobs = _elements(lab, ann)
