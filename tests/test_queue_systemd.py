@@ -431,3 +431,27 @@ def test_the_launcher_is_systemd_only_where_systemd_runs_the_machine(tmp_path: P
         transient.choose("systemd", True, run_dir=none)
     with pytest.raises(transient.LauncherError, match="not running as root"):
         transient.choose("systemd", False, run_dir=str(tmp_path))
+
+
+def test_a_units_file_is_always_a_new_root_only_one(tmp_path: Path):
+    """A unit's environment file where another user left one (state_file in a sticky directory like /tmp):
+    that file is neither written through (the job's tokens to its owner) nor kept (its lines in the job's
+    environment); a new 0600 one takes its name."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o1777)
+    name = "gpu-mon-job-7-r0.service"
+    planted = run / f"{name}.env"
+    planted.write_text("LD_PRELOAD=/tmp/evil.so\n")
+    os.chmod(planted, 0o666)
+    held = os.open(planted, os.O_RDONLY)  # its owner keeps it open, to read what would be written
+    try:
+        path = transient.env_file(str(run), name, {"TOKEN": 's3"cret'})
+        st = os.stat(path)
+        assert (st.st_uid, st.st_mode & 0o777) == (os.geteuid(), 0o600)
+        assert Path(path).read_text() == 'TOKEN="s3\\"cret"\n'
+        assert os.read(held, 100) == b"LD_PRELOAD=/tmp/evil.so\n"
+        assert transient.stderr_file(str(run), name) == str(run / f"{name}.err")
+        assert transient.unit_ended(str(run), name) == "" and sorted(os.listdir(run)) == []
+    finally:
+        os.close(held)

@@ -194,11 +194,16 @@ _STDERR_TAIL = 4096  # bytes of a unit's standard error read back (a few lines a
 
 def _root_file(directory: str, unit: str, suffix: str, text: str = "") -> str:
     """Write `text` to the unit's root-only (0600) file DIRECTORY/UNIT.SUFFIX, a value of a unit
-    property (so a plain path: no blanks, no systemd specifiers); its path. OSError if it cannot be."""
+    property (so a plain path: no blanks, no systemd specifiers); its path. OSError if it cannot be.
+    Always a new file: one left there (a run before a crash, or, where state_file's directory is a sticky
+    one like /tmp, another user's, who could read a job's tokens in it or add to its environment) is
+    removed first, and a file that is there again by the open is refused (O_EXCL)."""
     path = os.path.join(directory, f"{unit}{suffix}")
     if not _PLAIN_PATH.match(path):
         raise OSError(errno.EINVAL, "not a plain path (letters, digits, /._-)", path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
     return path
