@@ -30,8 +30,18 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
         found, extras = super().parse_known_args(args, namespace)
         if extras and self.strict:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._near_option(extras)}")
         return found, extras
+
+    def _near_option(self, extras: Sequence[str]) -> str:
+        """' (did you mean --array?)' for the first mistyped option that is close to one this command has."""
+        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for word in extras:
+            if word.startswith("--"):
+                near = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if near:
+                    return f" (did you mean {near[0]}?)"
+        return ""
 
     def _check_value(self, action: argparse.Action, value: object) -> None:
         if not isinstance(action, argparse._SubParsersAction) or value in (action.choices or ()):

@@ -125,9 +125,24 @@ def test_check_with_an_unreadable_gpu_the_config_names_is_a_runtime_failure(tmp_
         (["--config", "/etc", "check"], 2, "/etc: not a regular file"),
         (["bogus"], 2, "invalid choice: 'bogus'"),
         ([], 2, "the following arguments are required: COMMAND"),
-        (["status", "--jsno"], 2, "unrecognized arguments: --jsno"),
+        (["status", "--jsno"], 2, "unrecognized arguments: --jsno (did you mean --json?)"),
+        (
+            ["submit", "--arrya", "0-3", "--", "true"],
+            2,
+            "unrecognized arguments: --arrya (did you mean --array?)",
+        ),
+        (["jobs", "--zzz"], 2, "unrecognized arguments: --zzz\n"),
     ],
-    ids=["missing", "root-dir", "directory", "unknown-command", "no-command", "bad-option"],
+    ids=[
+        "missing",
+        "root-dir",
+        "directory",
+        "unknown-command",
+        "no-command",
+        "bad-option",
+        "near-option",
+        "far-option",
+    ],
 )
 def test_usage_errors(args, code, fragment):
     r = gpu_mon(*args)
