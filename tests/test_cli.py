@@ -572,3 +572,18 @@ def test_a_missing_sim_file_says_where_its_path_came_from(conf, how):
         named = "GPU_MON_SIM"
     assert r.returncode == 2
     assert r.stderr.strip() == f"gpu-mon: {named}: {missing}: No such file or directory"
+
+
+def test_check_does_not_warn_of_a_simulated_device_the_daemon_makes(tmp_path):
+    """Before the first run a simulated GPU's device file is missing: the daemon makes it, so check says
+    nothing of it (and makes nothing); a device path that is something else than missing is still named."""
+    sim_file = tmp_path / "sim.json"
+    gpus = [{"uuid": UUIDS[0], "memory_total_mib": 1000, "memory_used_mib": 0, "device": "dev/nvidia0"}]
+    gpus.append({"uuid": UUIDS[1], "memory_total_mib": 1000, "memory_used_mib": 0, "device": "dir/nvidia1"})
+    sim_file.write_text(json.dumps({"gpus": gpus}))
+    (tmp_path / "dir" / "nvidia1").mkdir(parents=True)  # a directory: no device, and the daemon makes none
+    conf = write_config(tmp_path / "c.conf", GOOD)
+    r = gpu_mon("--config", str(conf), "--sim", str(sim_file), "check")
+    assert r.returncode == 0, r.stderr
+    assert "nvidia0" not in r.stderr and not (tmp_path / "dev").exists()
+    assert "nvidia1" in r.stderr and "always count as busy" in r.stderr

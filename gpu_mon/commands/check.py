@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-from typing import Callable, List, Tuple
+from typing import Callable, List, Sequence, Set, Tuple
 
 from gpu_mon.api import holders
-from gpu_mon.api.model import GpuReading
+from gpu_mon.api.model import Gpu, GpuReading
 from gpu_mon.commands import base, statedir
 from gpu_mon.config import Config, ConfigError, GpuSection, ProcessSection, line_of, sort_by_line
 from gpu_mon.engine import policy
@@ -137,6 +137,11 @@ def unreadable_gpus(config: Config, reading: GpuReading, plan: policy.Plan) -> L
     return found
 
 
+def _made_by_the_daemon(gpus: Sequence[Gpu]) -> Set[str]:
+    """The simulated GPUs whose device file is missing: the daemon makes it at its start (a sim only)."""
+    return {g.uuid for g in gpus if g.device and not os.path.lexists(g.device)}
+
+
 def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
     """Exit 0 when the config is good here (warnings aside), 2 when it is not, 1 when it is but this host
     cannot run it: the GPUs cannot be read (NVML does not start, or a GPU the config names is unreadable),
@@ -155,8 +160,9 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
         errors.extend(f"{config.path}:{p}" for p in plan.problems)
         host.extend(unreadable_gpus(config, reading, plan))
         _targets, node_errors = holders.device_targets(reading.gpus)
+        made = _made_by_the_daemon(reading.gpus) if base.sim_path(args) else set()
         for uuid, why in node_errors.items():
-            if uuid in plan.rules:
+            if uuid in plan.rules and uuid not in made:
                 warnings.append(
                     f"GPU {plan.index_of.get(uuid)} ({uuid}): {why}: it will always count as busy"
                 )
