@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 from typing import List
 
 import pytest
 from conftest import wait_for
 from test_queue import JOB, PY, Lab, User, made_lab, queue_body
+
+from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.store import Store
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -133,3 +139,125 @@ def test_hostile_requests_are_refused_in_one_line_and_another_users_job_runs_on(
         raw(lab, a, {"op": "cancel", "select": {"all": True}})
     d.poll_passed()
     assert_undisturbed(lab, d, bobs)
+
+
+# ------------------------------------------------------------------ what got past an older door
+
+# Traps its stop signal (whatever it is), says so, takes a second (its grace), then exits 0.
+GRACEFUL = r"""
+import os, signal, sys, time
+out = os.path.join(os.getcwd(), "graceful-" + os.environ["GPU_MON_JOB_ID"])
+def stop(signum, frame):
+    with open(out, "a") as f:
+        f.write(f"signal {signum}\n")
+    time.sleep(1.0)
+    with open(out, "a") as f:
+        f.write("end\n")
+    sys.exit(0)
+signal.signal(int(sys.argv[1]), stop)
+with open(out, "a") as f:
+    f.write("start\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def older_jobs(lab: Lab, *jobs: Job) -> None:
+    """Jobs in the database as an older gpu-mon (whose door let anything in) left them."""
+    store = Store.open(str(lab.database), time.time())
+    try:
+        for job in jobs:
+            store.submit(job, 1000)
+    finally:
+        store.close()
+
+
+def alices(lab: Lab, **fields: object) -> Job:
+    a = lab.alice
+    base = dict(id=0, user=a.name, uid=a.uid, gid=a.gid, command=("/bin/true",), cwd=str(a.work))
+    base.update(env=(("PATH", "/bin"),), output="", submitted=time.time(), grace=5.0)
+    base.update(fields)
+    return Job(**base)  # type: ignore[arg-type]
+
+
+def test_a_hook_or_job_an_older_door_let_in_fails_alone_and_another_users_job_runs_on(lab, daemon_factory):
+    nul_env = alices(lab, env=(("X", "a\0b"),), notify=("true",), state="held")
+    nul_output = alices(lab, output="/tmp/a\0b", notify=("true",), state="held")
+    surrogate = alices(lab, cwd="/tmp/\ud800", notify=("echo \ud800",), state="held")
+    older_jobs(lab, nul_env, nul_output, surrogate)
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    bobs = bobs_job_running(lab)
+    for job_id in (1, 2, 3):
+        r = lab.run(lab.alice, "cancel", str(job_id))
+        assert r.returncode == 0, r.stderr
+    for job_id in (1, 2, 3):
+        lab.wait_state(lab.alice, job_id, "cancelled")
+    d.wait_log(r"queue: job 1: cannot run its hook: .*null byte")
+    d.wait_log(r"queue: job 2: cannot run its hook: .*null byte")
+    d.wait_log(r"queue: job 3: cannot run its hook: .*surrogates not allowed")
+    d.poll_passed()
+    assert_undisturbed(lab, d, bobs)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGRTMIN + 2, signal.SIGSEGV])
+def test_a_stop_signal_that_would_kill_the_leader_leaves_it_and_the_job_has_its_grace(
+    lab, daemon_factory, sig
+):
+    script = lab.dir / "graceful.py"
+    script.write_text(GRACEFUL)
+    os.chmod(script, 0o644)
+    older_jobs(lab, alices(lab, command=(PY, str(script), str(int(sig))), stop_signal=int(sig)))
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    lab.wait_state(lab.alice, 1, "running")
+    out = lab.alice.work / "graceful-1"
+    wait_for(lambda: out.exists() and "start" in out.read_text(), 20, "the job's start")
+    assert lab.run(lab.alice, "cancel", "1").returncode == 0
+    job = lab.wait_state(lab.alice, 1, "cancelled")
+    assert out.read_text() == f"start\nsignal {int(sig)}\nend\n"  # its handler ran to its end
+    assert (job["exit_status"], job["signal"]) == (0, None), job
+    assert "internal error" not in d.log()
+
+
+def _bytes(path: bytes) -> bytes:
+    return Path(os.fsdecode(path)).read_bytes()
+
+
+def test_names_that_are_not_utf8_are_carried_byte_for_byte(lab, daemon_factory):
+    """A directory, an argument, an environment value and an output file named with bytes that are not
+    UTF-8 (as Linux allows): the job and its hook get the very bytes."""
+    d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    a = lab.alice
+    where = os.path.join(os.fsencode(a.work), b"d\xff\xc3")
+    os.mkdir(where)
+    os.chown(where, a.uid, a.gid)
+    output = os.path.join(where, b"out\xfe.log")
+    show = 'printf "%s|%s|%s\\n" "$X" "$(pwd)" "$1"'
+    r = lab.run(
+        a,
+        "submit",
+        "--output",
+        os.fsdecode(output),
+        "--notify",
+        f"{show.replace('$1', 'hook')} > hook-out",
+        "--",
+        "/bin/sh",
+        "-c",
+        f"{show} > job-out",
+        "sh",
+        os.fsdecode(b"arg\x80"),
+        cwd=Path(os.fsdecode(where)),
+        env={"X": os.fsdecode(b"v\xfe\x80")},
+    )
+    assert r.returncode == 0, r.stderr
+    lab.wait_state(a, 1, "done")
+    assert _bytes(os.path.join(where, b"job-out")) == b"v\xfe\x80|" + where + b"|arg\x80\n"
+    assert os.path.exists(output) and os.stat(output).st_uid == a.uid
+    hook_out = os.path.join(where, b"hook-out")
+    wait_for(lambda: os.path.exists(hook_out) and _bytes(hook_out).endswith(b"\n"), 20, "the hook")
+    assert _bytes(hook_out) == b"v\xfe\x80|" + where + b"|hook\n"
+    listed = lab.jobs(a)[1]
+    assert listed["command"][-1] == os.fsdecode(b"arg\x80")  # (JSON: \udc80, the byte as Python spells it)
+    assert "internal error" not in d.log()
