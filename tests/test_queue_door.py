@@ -141,6 +141,28 @@ def test_hostile_requests_are_refused_in_one_line_and_another_users_job_runs_on(
     assert_undisturbed(lab, d, bobs)
 
 
+def test_priority_is_bounded_and_stop_signals_are_those_a_program_catches(lab, daemon_factory):
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    a, held = lab.alice, ("--hold", "--", "/bin/true")
+    for p in ("1000001", "-1000001", str(10**30)):
+        r = lab.run(a, "submit", "--priority", p, *held)
+        assert (r.returncode, r.stderr) == (
+            2,
+            "gpu-mon: --priority must be a whole number from -1000000 to 1000000\n",
+        )
+    for sig in ("SEGV", "36", "RTMIN", "KILL", "STOP", "CHLD", "TSTP"):
+        r = lab.run(a, "submit", "--stop-signal", sig, *held)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("gpu-mon: --stop-signal ") and "TERM, INT, HUP, QUIT, USR1" in r.stderr
+    r = lab.run(a, "submit", "--stop-signal", "NOPE", *held)
+    assert (r.returncode, r.stderr) == (2, "gpu-mon: --stop-signal 'NOPE' is not a signal name\n")
+    top = lab.submit(a, "--priority", "1000000", "--stop-signal", "USR2", *held)
+    low = lab.submit(a, "--priority", "-1000000", "--stop-signal", "B:PWR", *held)
+    jobs = lab.jobs(a)
+    assert (jobs[top]["priority"], jobs[low]["priority"]) == (1000000, -1000000)
+
+
 # ------------------------------------------------------------------ what got past an older door
 
 # Traps its stop signal (whatever it is), says so, takes a second (its grace), then exits 0.
