@@ -62,7 +62,7 @@ def text(req: dict, key: str, what: str, limit: int, default: str = "") -> str:
         raise Bad(f"{what} must be text")
     size = len(as_bytes(value, what))
     if size > limit:
-        raise Bad(f"{what} too long ({size} bytes; at most {limit})", 1)
+        raise Bad(f"{what} is too long ({size} bytes; at most {limit})", 1)
     return value
 
 
