@@ -45,7 +45,13 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     add_common(p, top=False, sim=False)
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs (default 1)")
     p.add_argument("--name", default="", help="a name for `jobs` (at most 64 characters)")
-    p.add_argument("--priority", type=int, default=0, metavar="P", help="higher goes first (default 0)")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="P",
+        help="higher goes first (default 0; -1000000 to 1000000)",
+    )
     p.add_argument(
         "--after",
         default="",
@@ -69,7 +75,8 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         "--stop-signal",
         default="SIGTERM",
         metavar="SIG",
-        help="signal to stop it, sent to all its processes (e.g. USR1; B:USR1 as --stop-main-only)",
+        help="signal to stop it, sent to all its processes: TERM (default), INT, HUP, QUIT, USR1, USR2, "
+        "ALRM, WINCH or PWR (B:USR1 as --stop-main-only)",
     )
     p.add_argument(
         "--stop-main-only",

@@ -270,8 +270,16 @@ class Queue:
         running (a round again soon while any runs)."""
         if self.store.version != self.notices.version:
             for n in self.notices.changes(self.store.all(), self.store.version):
-                self.hooks.add(n, now)
-        self.hooks.poll(now)
+                try:
+                    self.hooks.add(n, now)
+                except Exception:  # (one job's hook: not run; the others, and every job, go on)
+                    log.exception(
+                        "queue: job %s: its hook is not run: internal error (please report it)", n.job.id
+                    )
+        try:
+            self.hooks.poll(now)
+        except Exception:  # (hooks hold no GPU: nothing to stop for them)
+            log.exception("queue: internal error running the jobs' hooks (please report it); they go on")
         if self.outside is not None:
             self.outside.poll()
         again = self.hooks.next_poll(now)
@@ -461,11 +469,13 @@ class Queue:
                 StopRule(job.stop_signal, job.grace, job.grace, main_only=job.stop_main_only),
             )
         except StartError as err:
-            detail = str(err)
-            log.error("queue: cannot start job %d: %s", job.id, detail)
-            self.store.change(
-                job.id, lambda j: dataclasses.replace(j, state=J.FAILED, ended=wall, reason=detail)
-            )
+            self._not_started(job, str(err), wall)
+            return
+        except Exception as err:  # (what one job holds: that job fails, and every other goes on)
+            if job_key(job.id) in self.supervisor.workloads:
+                raise  # (it runs: what failed is not known, and gpu-mon stops every workload)
+            log.exception("queue: job %d: internal error starting it (please report it)", job.id)
+            self._not_started(job, f"cannot start: {type(err).__name__}: {sanitize(str(err))}", wall)
             return
         stat = read_stat(w.pid)
         ticks = stat.start_ticks if stat else 0
@@ -480,32 +490,50 @@ class Queue:
             sanitize(" ".join(job.command), limit=200),
         )
 
+    def _not_started(self, job: Job, detail: str, wall: float) -> None:
+        log.error("queue: cannot start job %d: %s", job.id, detail)
+        self.store.change(job.id, lambda j: dataclasses.replace(j, state=J.FAILED, ended=wall, reason=detail))
+
     def _ended(self, wall: float) -> None:
-        for ex in self.exits:
-            job = self.store.get(_job_id(ex.key) or 0)
-            new = self.store.change(
-                _job_id(ex.key) or 0,
-                lambda j, rc=ex.returncode, sig=ex.signal: (
-                    J.ended(j, wall, rc, sig) if j.state in J.LIVE else None
-                ),
-            )
-            if job is None or new is None:
-                continue
-            said = self._unit_said(job)  # (the file goes, whatever ended the run)
-            detail = ex.detail or said  # the leader's, or the unit's: its output could not be opened, ...
-            if new.state == J.FAILED and detail:
-                new = self.store.change(new.id, lambda j, d=detail: _reason(j, d)) or new
-            self.force_place = True
-            after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
-            self._say(
-                "queue: job %d of %s %s: %s%s",
-                job.id,
-                sanitize(job.user),
-                words.exit_status(ex.returncode, ex.signal),
-                new.state if new.state != J.QUEUED else "back in the queue",
-                after,
-            )
-        self.exits = []
+        exits, self.exits = self.exits, []
+        for ex in exits:
+            try:
+                self._exited(ex, wall)
+            except Exception as err:  # (what one job holds: that job fails, and every other goes on)
+                log.exception("queue: job %s: internal error ending it (please report it)", ex.key)
+                why = f"its end could not be recorded: {type(err).__name__}: {sanitize(str(err))}"
+                self.store.change(
+                    _job_id(ex.key) or 0,
+                    lambda j, rc=ex.returncode, sig=ex.signal, w=why: (
+                        _reason(J.ended(j, wall, rc, sig), w) if j.state in J.LIVE else None
+                    ),
+                )
+
+    def _exited(self, ex: Exited, wall: float) -> None:
+        """One job's run ended: the store, its unit's files, and one line."""
+        job = self.store.get(_job_id(ex.key) or 0)
+        new = self.store.change(
+            _job_id(ex.key) or 0,
+            lambda j, rc=ex.returncode, sig=ex.signal: (
+                J.ended(j, wall, rc, sig) if j.state in J.LIVE else None
+            ),
+        )
+        if job is None or new is None:
+            return
+        said = self._unit_said(job)  # (the file goes, whatever ended the run)
+        detail = ex.detail or said  # the leader's, or the unit's: its output could not be opened, ...
+        if new.state == J.FAILED and detail:
+            new = self.store.change(new.id, lambda j, d=detail: _reason(j, d)) or new
+        self.force_place = True
+        after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
+        self._say(
+            "queue: job %d of %s %s: %s%s",
+            job.id,
+            sanitize(job.user),
+            words.exit_status(ex.returncode, ex.signal),
+            new.state if new.state != J.QUEUED else "back in the queue",
+            after,
+        )
 
     def _unit_said(self, job: Job) -> str:
         """What the unit of the job's run wrote before its output was open (systemd; "" when nothing);
@@ -627,6 +655,9 @@ def note(job: Job, text: str) -> bool:
     path = output_of(job)
     try:
         where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except ValueError as err:  # (a NUL or a lone surrogate in its --output: an older gpu-mon let it in)
+        log.info("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err)
+        return False
     except OSError as err:
         log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
         return False

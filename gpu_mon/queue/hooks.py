@@ -316,8 +316,8 @@ class Hooks:
                 start_new_session=True,  # (its own group: killed whole after HOOK_SECONDS)
                 **ids,  # type: ignore[arg-type]
             )
-        except OSError as err:
-            self._failed(j, f"cannot run its hook: {err.strerror or err}")
+        except (OSError, ValueError) as err:  # (ValueError: a NUL or lone surrogate an older gpu-mon let in)
+            self._failed(j, f"cannot run its hook: {getattr(err, 'strerror', None) or err}")
             return False
         self.keep[popen.pid] = popen
         self.running.append(_Running(popen, j, now + HOOK_SECONDS, unit))

@@ -14,15 +14,15 @@ import json
 import logging
 import os
 import pwd
-import signal
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays
+from gpu_mon.queue import arrays, fields
 from gpu_mon.queue import jobs as J
+from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import Listing, iso, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
@@ -34,10 +34,6 @@ from gpu_mon.queue.words import waiting as waiting_words
 
 log = logging.getLogger("gpu_mon")
 
-MAX_COMMAND = 64 * 1024
-MAX_ENV = 256 * 1024
-MAX_NAME = 64
-
 
 @dataclass(frozen=True)
 class Peer:
@@ -46,14 +42,6 @@ class Peer:
     pid: int
     uid: int
     gid: int
-
-
-class Bad(Exception):
-    """A refusal: str() is the line, `code` 1 (not allowed, a limit) or 2 (bad usage)."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -150,75 +138,63 @@ class Requests:
 
     def _job_from(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Job:
         q = self.queue
-        command = req.get("command")
-        if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
-            raise Bad("no command given (gpu-mon submit [OPTIONS] -- COMMAND [ARGS...])")
-        size = sum(len(a.encode("utf-8", "surrogateescape")) + 1 for a in command)
-        if size > MAX_COMMAND:
-            raise Bad(f"command too long ({size} bytes; at most {MAX_COMMAND})", 1)
-        if any("\0" in a for a in command):
-            raise Bad("the command contains a NUL byte")
-        env = req.get("env") or {}
-        if not isinstance(env, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-        ):
-            raise Bad("env must be an object of strings")
-        env_size = sum(len(k) + len(v) + 2 for k, v in env.items())
-        if env_size > MAX_ENV:
-            raise Bad(f"environment too large ({env_size} bytes; at most {MAX_ENV})", 1)
-        name = _text(req, "name", "")
-        if len(name) > MAX_NAME:
-            raise Bad(f"name too long ({len(name)} characters; at most {MAX_NAME})", 1)
-        cwd = _text(req, "cwd", "")
+        command = fields.command(req.get("command"))
+        env = fields.environment(req.get("env"))
+        name = fields.label(req, "name", "name", MAX_NAME)
+        cwd = fields.text(req, "cwd", "the submit directory", fields.MAX_PATH)
         if not os.path.isabs(cwd):
             raise Bad("the submit directory must be an absolute path")
-        gpus = _int(req, "gpus", 1, 1)
+        gpus = fields.whole(req, "gpus", "--gpus", 1, 1, fields.MAX_GPUS)
         self._could_start(gpus)
-        grace = _number(req, "grace", q.grace_seconds)
+        grace = _seconds(req, "grace", q.grace_seconds, "--grace")
         if grace > q.max_grace_seconds:
             raise Bad(f"--grace {grace:g} is over the limit of {q.max_grace_seconds:g} s", 1)
         after, after_arrays = self._after(req.get("after") or [])
-        output = _text(req, "output", "")
+        output = fields.text(req, "output", "--output", fields.MAX_PATH)
         if output and not os.path.isabs(output):
             raise Bad("--output must be an absolute path")
         limit = req.get("time_limit")
         if limit is not None:
-            limit = _number(req, "time_limit", 0.0)
+            limit = _seconds(req, "time_limit", 0.0, "--time-limit")
             if limit <= 0:
                 raise Bad("--time-limit must be more than 0")
+        top = fields.MAX_PRIORITY
         return Job(
             id=0,
             user=user.pw_name,
             uid=user.pw_uid,
             gid=user.pw_gid,
-            command=tuple(command),
+            command=command,
             cwd=cwd,
-            env=tuple(env.items()),
+            env=env,
             output=output,
             submitted=time.time(),
             name=name,
             gpus_wanted=gpus,
-            priority=_int(req, "priority", 0, -1000000),
+            priority=fields.whole(req, "priority", "--priority", 0, -top, top),
             after=after,
             after_arrays=after_arrays,
             notify=self._notify(req),
-            notify_each=bool(req.get("notify_each", False)),
-            stop_signal=_signal(req.get("stop_signal", "SIGTERM")),
-            stop_main_only=bool(req.get("stop_main_only", False)),
+            notify_each=fields.flag(req, "notify_each", False),
+            stop_signal=fields.stop_signal(req.get("stop_signal", "SIGTERM")),
+            stop_main_only=fields.flag(req, "stop_main_only", False),
             grace=grace,
             time_limit=limit,
-            requeue=bool(req.get("requeue", True)),
-            state=J.HELD if req.get("hold") else J.QUEUED,
+            requeue=fields.flag(req, "requeue", True),
+            state=J.HELD if fields.flag(req, "hold", False) else J.QUEUED,
         )
 
     def _after(self, refs: object) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         """--after's jobs and whole arrays (`17`: every element of array 17; `17_5`: one element)."""
         if not isinstance(refs, list) or len(refs) > 1000:
-            raise Bad("--after takes job ids")
+            raise Bad("--after takes job ids (at most 1000)")
         jobs: List[int] = []
         whole: List[int] = []
         for ref in refs:
-            job_id, index = _ref(ref)
+            try:
+                job_id, index = _ref(ref)
+            except Bad as err:
+                raise Bad(f"--after: {err}") from None
             if index is None and job_id in self.store.arrays:
                 whole.append(job_id)
                 continue
@@ -230,9 +206,7 @@ class Requests:
 
     def _notify(self, req: dict) -> Tuple[str, ...]:
         """--notify CMD (run by /bin/sh as the user), or none."""
-        text = _text(req, "notify", "")
-        if len(text) > 4096:
-            raise Bad(f"--notify too long ({len(text)} characters; at most 4096)", 1)
+        text = fields.text(req, "notify", "--notify", fields.MAX_NOTIFY)
         return (text,) if text else ()
 
     def _could_start(self, gpus: int) -> None:
@@ -249,7 +223,10 @@ class Requests:
         """`{"ok": true, "jobs": [...], "more": N}`: with `limit`, at most that many queued or held jobs
         are listed (every running one is) and `more` counts the rest."""
         view, now = self.view(), time.time()
-        want_user, want_state = req.get("user"), req.get("state")
+        want_user = fields.optional_text(req.get("user"), "--user", 256)
+        want_state = req.get("state")
+        if want_state is not None and want_state not in J.STATES:
+            raise Bad(f"--state {sanitize(str(want_state))[:20]!r} is not a job state")
         ids, limit = req.get("ids") or [], req.get("limit")
         if not isinstance(ids, list) or len(ids) > 10000:
             raise Bad("ids must be job ids")
@@ -386,8 +363,7 @@ class Requests:
         if not isinstance(sel, dict):
             raise Bad("select must be an object")
         name, state = sel.get("name"), sel.get("state")
-        if name is not None and (not isinstance(name, str) or len(name) > 1000):
-            raise Bad("--name must be text")
+        name = fields.optional_text(name, "--name", 1000)
         if state is not None and state not in J.STATES:
             raise Bad(f"--state {sanitize(str(state))[:20]!r} is not a job state")
         if name is None and state is None and sel.get("all") is not True:
@@ -616,35 +592,8 @@ def groups_of(uid: int, gid: int) -> Tuple[int, ...]:
         return (gid,)
 
 
-def _text(req: dict, key: str, default: str) -> str:
-    value = req.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, str) or "\0" in value:
-        raise Bad(f"{key} must be text")
-    return value
-
-
-def _int(req: dict, key: str, default: int, minimum: int) -> int:
-    value = req.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise Bad(f"{key} must be a whole number of at least {minimum}")
-    return value
-
-
-def _number(req: dict, key: str, default: float) -> float:
+def _seconds(req: dict, key: str, default: float, what: str) -> float:
     value = req.get(key, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 366 * 86400:
-        raise Bad(f"{key} must be a number of seconds (at most a year)")
+        raise Bad(f"{what} must be a number of seconds (at most a year)")
     return float(value)
-
-
-def _signal(value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < signal.NSIG:
-        return value
-    if isinstance(value, str):
-        name = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
-        sig = getattr(signal.Signals, name, None) if name in signal.Signals.__members__ else None
-        if sig is not None and sig not in (signal.SIGKILL, signal.SIGSTOP):
-            return int(sig)
-    raise Bad(f"--stop-signal {sanitize(str(value))[:20]!r} is not a signal name")

@@ -53,17 +53,10 @@ MAIN_STOP = signal.SIGRTMIN + 1
 _SIGNALS = {signal.SIGTERM, signal.SIGCHLD, DAEMON_GONE, MAIN_STOP}
 # Blocked and never taken, so a stray signal cannot kill the leader and orphan its workload, and a workload's
 # stop_signal sent to its process group reaches the command only; the command gets them unblocked again.
-_STRAY = {
-    signal.SIGINT,
-    signal.SIGHUP,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGALRM,
-    signal.SIGQUIT,
-    signal.SIGPIPE,
-    signal.SIGWINCH,
-    signal.SIGPWR,
-}
+# Every signal but those the leader takes: a stop signal whose default action kills (SIGSEGV, SIGRTMIN+2: a
+# queue's door refuses them now, an older one let them in) took the leader down with the group's, and the
+# job lost its grace. (A fault of the leader's own still ends it: the kernel unblocks that one.)
+_STRAY = set(signal.valid_signals()) - _SIGNALS - {signal.SIGKILL, signal.SIGSTOP}
 _TERM_STEP_SECONDS = 1.0  # as stopping.TERM_STEP_SECONDS (not imported: the leader starts on little)
 
 
