@@ -353,6 +353,13 @@ def counts(text: str) -> Tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a number or numbers separated by commas: {text!r}") from None
 
 
+
+def _knows_history(package: Path) -> bool:
+    """Whether that version has a [history] section: config.py once, the config/ package later."""
+    single = package / "config.py"
+    files = [single] if single.exists() else sorted(package.glob("config/*.py"))
+    return any('"history"' in f.read_text(errors="replace") for f in files)
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--procs", type=counts, default=(1000,), help="background processes (1000,5000: each)")
@@ -392,7 +399,7 @@ def main() -> int:
         old = extract_ref(ROOT, a.baseline, work / "baseline-code")
         # As shipped at that version: history on, in the run's directory (never the machine's own file);
         # a version older than [history] gets no such section.
-        knows = '"history"' in (Path(old) / "gpu_mon" / "config.py").read_text(errors="replace")
+        knows = _knows_history(Path(old) / "gpu_mon")
         modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old, True if knows else None))
     modes += [
         (
