@@ -353,12 +353,12 @@ def counts(text: str) -> Tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a number or numbers separated by commas: {text!r}") from None
 
 
-
 def _knows_history(package: Path) -> bool:
     """Whether that version has a [history] section: config.py once, the config/ package later."""
     single = package / "config.py"
     files = [single] if single.exists() else sorted(package.glob("config/*.py"))
     return any('"history"' in f.read_text(errors="replace") for f in files)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
