@@ -473,6 +473,10 @@ def occupier_lines(found: List[dict], gpus: List[dict], now: float) -> List[str]
     index = {g.get("uuid"): g.get("index") for g in gpus}
     lines = []
     for r in found:
+        if r.get("unreadable"):  # (api/occupiers.py: its owner wrote into it what no occupier writes)
+            who, why = sanitize(str(r.get("user"))), sanitize(str(r["unreadable"]))
+            lines.append(f"    {who:<12} unreadable record ({why}), pid {r.get('pid')}")
+            continue
         held = [f"GPU {index[u]}" if index.get(u) is not None else str(u) for u in r.get("gpus") or []]
         asked = [f"GPU {g}" if str(g).isdigit() else str(g) for g in r.get("gpus_asked") or []]
         where = ", ".join(asked or held) or "every GPU"
