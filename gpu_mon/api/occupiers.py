@@ -10,15 +10,21 @@ Who a record belongs to is the file's owner as the kernel reports it, never what
 is believed only when its owner, the uid in its name and the uid it claims agree, and its pid is still the
 process that wrote it (same start time, same owner). Anything else is skipped. Records of occupiers killed
 with SIGKILL stay until their owner's next occupier removes them; a dead pid is never shown.
+
+Its owner may still write anything into a live occupier's record: each field is checked (type, size, range:
+a time in 1970..2100, finite) and only the fields an occupier writes are kept; a record with a field that
+is not what an occupier writes is listed as `{"uid", "pid", "user", "unreadable": WHY}`, never shown as if
+it were one (every reader of the registry, root's `gpu-mon status` among them, would otherwise crash on it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from gpu_mon.api import procfs
 
@@ -28,6 +34,11 @@ REGISTRY = "/tmp/gpu-mon-occupiers"
 REGISTRY_ENV = "GPU_MON_OCCUPIERS_DIR"
 _NAME_RE = re.compile(r"^([0-9]+)-([0-9]+)\.json$")
 _MAX_RECORD = 65536
+_LATEST_WALL = 4102444800.0  # 2100-01-01: a later time is not one an occupier wrote
+_MAX_GPUS = 256  # GPUs named in a record
+_MAX_GPU_TEXT = 128  # characters of one GPU's name (an index or a UUID)
+_MAX_TEXT = 4096  # characters of `runs` (the occupier's command)
+_MAX_PHASE = 32  # characters of `phase` (waiting, occupying, yielded)
 
 
 def registry_dir() -> str:
@@ -73,7 +84,7 @@ def list_occupiers(directory: Optional[str] = None, proc: str = procfs.PROC) -> 
     except OSError:
         return []
     found = [r for r in (_believed(directory, n, proc) for n in sorted(names)) if r is not None]
-    return sorted(found, key=lambda r: (r.get("started_wall") or 0, r["pid"]))
+    return sorted(found, key=lambda r: (r.get("started_wall") or 0, r["pid"]))  # (both checked: numbers)
 
 
 def stale_records(directory: str, uid: int, proc: str = procfs.PROC) -> List[str]:
@@ -105,8 +116,60 @@ def _believed(directory: str, name: str, proc: str) -> Optional[dict]:
         return None
     if not _live(pid, doc.get("start_ticks"), uid, proc):
         return None
-    doc["user"] = procfs.user_name(uid)
-    return doc
+    user = procfs.user_name(uid)
+    why = unreadable(doc)
+    if why:
+        return {"uid": uid, "pid": pid, "user": user, "unreadable": why}
+    return {**{k: v for k, v in doc.items() if k in _FIELDS}, "user": user}
+
+
+def _wall(v: object) -> bool:
+    return v is None or (_number(v) and 0 <= v <= _LATEST_WALL)  # type: ignore[operator]
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v: object) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_GPUS)
+
+
+def _gpus(v: object) -> bool:
+    return isinstance(v, list) and len(v) <= _MAX_GPUS and all(_short(g, _MAX_GPU_TEXT) for g in v)
+
+
+def _short(v: object, most: int) -> bool:
+    return isinstance(v, str) and len(v) <= most
+
+
+def _hours(v: object) -> bool:
+    return v is None or (_number(v) and 0 <= v <= 1e6)  # type: ignore[operator]
+
+
+_FIELDS: Dict[str, Callable[[object], bool]] = {
+    "uid": lambda v: isinstance(v, int),
+    "pid": lambda v: isinstance(v, int),
+    "start_ticks": lambda v: isinstance(v, int),
+    "started_wall": _wall,
+    "since_wall": _wall,
+    "gpus_asked": _gpus,
+    "gpus": _gpus,
+    "gpu_count": _count,
+    "polite": lambda v: isinstance(v, bool),
+    "runs": lambda v: _short(v, _MAX_TEXT),
+    "max_hold_hours": _hours,
+    "phase": lambda v: _short(v, _MAX_PHASE),
+}
+
+
+def unreadable(doc: dict) -> str:
+    """Why a record is not one an occupier wrote (the first field that is not what it writes); "" when
+    it is."""
+    for key, fits in _FIELDS.items():
+        if key in doc and not fits(doc[key]):
+            return f"{key} is not what an occupier writes"
+    return ""
 
 
 def _read(path: str) -> Optional[Tuple[int, dict]]:

@@ -40,6 +40,7 @@ from gpu_mon.engine.openers import Openers
 from gpu_mon.engine.opens import OpenRetry, OpenWatch, retry_for
 from gpu_mon.engine.queue import PREFIX as JOB_PREFIX
 from gpu_mon.engine.queue import Queue, queue_gpus
+from gpu_mon.engine.queueretry import QueueRetry, next_try
 from gpu_mon.engine.reload import Reloader
 from gpu_mon.engine.slurm import Slurm
 from gpu_mon.engine.workloads import cgroups, linux, stopping
@@ -123,6 +124,7 @@ class Daemon:
         self.owed: Optional[str] = None  # a scan that paused for an open: it goes on once that is handled
         self.every_next = False  # the next full scan reads every process (see Observer.scan)
         self.queue: Optional[Queue] = None  # [queue]: users' jobs (engine/queue.py)
+        self.queue_retry: Optional[QueueRetry] = None  # a queue that could not start: tried again
         self.slurm: Optional[Slurm] = None  # [slurm]: preemptible Slurm jobs (engine/slurm.py)
         self.started_wall = wall()
         stat = read_stat(os.getpid())
@@ -161,6 +163,7 @@ class Daemon:
             )
             if self.queue is not None:
                 deadlines += (self.queue.next_wake,)
+            deadlines += (next_try(self.queue_retry),)
             if self.slurm is not None:
                 deadlines += (self.slurm.next_wake(),)
             wake = self.decision.next_wake if self.decision else None
@@ -213,15 +216,28 @@ class Daemon:
             self._shutdown(self.clock())
 
     def _start_queue(self) -> None:
-        """[queue]: open its database and socket; without them gpu-mon runs on, without the queue."""
+        """[queue]: open its database and socket; without them gpu-mon runs on, without the queue, and
+        tries again later (engine/queueretry.py)."""
         if self.config.queue is None:
             return
         try:
             self.queue = Queue(self.config, self.supervisor, self.loop.poke, self.wall, self._say)
             self.queue.start()
-        except Exception as err:  # a database or socket we cannot make: one line, and no queue
-            log.error("queue: cannot start the queue: %s", err)
+        except Exception as err:  # a database, socket or lock we cannot have: one line, and no queue yet
             self.queue = None
+            self.queue_retry = self.queue_retry or QueueRetry()
+            delay = self.queue_retry.failed(str(err), self.clock(), self.wall())
+            log.error("queue: cannot start the queue: %s; trying again in %.0f s", err, delay)
+            return
+        if self.queue_retry is not None:
+            log.info("queue: started (after %d failed tries)", self.queue_retry.tries)
+            self.queue_retry = None
+            self.next_poll = self.clock()  # its round at once
+
+    def _retry_queue(self, now: float) -> None:
+        """The queue that could not start, when its next try is due (never while stopping)."""
+        if self.queue_retry is not None and self.queue_retry.due(now) and not self.stopping:
+            self._start_queue()
 
     def _set_slurm(self) -> None:
         """[slurm] as the config has it now: the hook made, changed or closed."""
@@ -271,6 +287,7 @@ class Daemon:
         self._rounds(now, exits)
         # Slower work comes after the yield path, so that it never delays a stop.
         self._reload_if_asked(now)
+        self._retry_queue(now)
         self.loop.announce("alive")
 
     def _take_signals(self, now: float) -> None:
@@ -746,6 +763,7 @@ class Daemon:
             idle_ended=idle[2],
             scans=self.observer.take_scan_times(),
             queue=self.queue.report() if self.queue is not None else None,
+            queue_down=self.queue_retry.report() if self.queue_retry is not None else None,
             slurm=self.slurm.report() if self.slurm is not None else None,
         )
         self.loop.publish(self.report)

@@ -46,6 +46,7 @@ class RoundReport:
     idle_ended: Tuple[IdleHolder, ...] = ()  # ... and that ended
     scans: Tuple[Tuple[str, float], ...] = ()  # (mode, seconds) of the holder scans since the last round
     queue: Optional[object] = None  # [queue]: queue/runs.QueueReport (None without a queue)
+    queue_down: Optional[Tuple[str, float]] = None  # a [queue] that could not start: why, next try (wall)
     slurm: Optional[object] = None  # [slurm]: slurm/view.SlurmReport (None without [slurm])
 
 

@@ -2,20 +2,25 @@
 prometheus_client (the `metrics` extra). Everything here runs outside the event loop's thread.
 
 The endpoint is the standard library's threading HTTP server rather than prometheus_client's own: the same
-code across the client's versions (Debian's is older), a read timeout and a cap on concurrent connections (a
-slow or hostile client holds one thread for at most READ_TIMEOUT, and never more than MAX_CLIENTS of them),
-and a one-line error when the address cannot be bound.
+code across the client's versions (Debian's is older), a cap on concurrent connections (MAX_CLIENTS threads)
+and a one-line error when the address cannot be bound. A client has REQUEST_SECONDS in all to send its
+request (not per read: one that trickles a byte at a time is cut off all the same) and as long again to take
+the answer. When every slot is taken, a new client takes the slot of the one that has waited longest for
+its own request to end: clients that send slowly, or nothing, never keep a scrape out (a scraper sends its
+request at once, and is answered in a few milliseconds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Dict, Iterator, Tuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -31,8 +36,10 @@ from gpu_mon.outputs.metrics import Family, MetricsError
 # name here is a classic one, so 0.0.4 is exact and older Prometheus servers, Debian 12's 2.42, take it.)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 log = logging.getLogger("gpu_mon")
-READ_TIMEOUT = 10.0
+REQUEST_SECONDS = 5.0  # to send the whole request (from the connect); and again to take the answer
 MAX_CLIENTS = 16
+MAX_REQUEST = 8192  # bytes of a request's line and headers (more is answered as the parser answers it)
+EVICT_WAIT = 1.0  # seconds a new client waits for the slot of the one it cut off
 Text = Callable[[], bytes]  # the current exposition, rendered
 
 
@@ -74,7 +81,17 @@ def render(families: Tuple[Family, ...]) -> bytes:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "gpu-mon"
-    timeout = READ_TIMEOUT  # for reading the request; a client that sends nothing is dropped
+
+    def setup(self) -> None:
+        """The whole request first, within REQUEST_SECONDS of the connect; then the parser reads it from
+        memory, and the answer has REQUEST_SECONDS to go out (sendall's timeout is its whole duration)."""
+        sock: socket.socket = self.request
+        head = _read_request(sock, self.server.connected(sock) + REQUEST_SECONDS)
+        self.server.read(sock)  # (no longer one to cut off for a new client)
+        sock.settimeout(REQUEST_SECONDS)
+        super().setup()
+        self.rfile.close()  # (the socket's file: an open one would keep the socket from closing)
+        self.rfile = io.BytesIO(head)  # type: ignore[assignment]
 
     def do_GET(self) -> None:
         self._answer(send_body=True)
@@ -101,6 +118,21 @@ class _Handler(BaseHTTPRequestHandler):
         """Quiet: a scrape every 15 s is not news."""
 
 
+def _read_request(sock: socket.socket, deadline: float) -> bytes:
+    """A request's line and headers (up to MAX_REQUEST bytes), or TimeoutError/ConnectionError: quiet."""
+    data = b""
+    while b"\r\n\r\n" not in data and b"\n\n" not in data and len(data) <= MAX_REQUEST:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no whole request in time")
+        sock.settimeout(left)
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise ConnectionResetError("closed before its request ended")
+        data += chunk
+    return data
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -119,15 +151,44 @@ class _Server(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.text = text
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.reading: Dict[socket.socket, float] = {}  # connections still sending their request: since
+        self.reading_lock = threading.Lock()
         super().__init__(address, _Handler)
 
+    def connected(self, request: socket.socket) -> float:
+        """When (monotonic) this connection was accepted."""
+        with self.reading_lock:
+            return self.reading.get(request, time.monotonic())
+
+    def read(self, request: socket.socket) -> None:
+        """This connection has sent its request."""
+        with self.reading_lock:
+            self.reading.pop(request, None)
+
+    def _cut_off_slowest(self) -> bool:
+        """End the connection that has waited longest for its request to end (its thread then frees its
+        slot); False when every connection has sent its request (being answered: none is cut off)."""
+        with self.reading_lock:
+            if not self.reading:
+                return False
+            oldest = min(self.reading, key=self.reading.__getitem__)
+            del self.reading[oldest]
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)
+        return True
+
     def process_request(self, request: socket.socket, client_address: object) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: drop this one
+        if not self.slots.acquire(blocking=False) and not (
+            self._cut_off_slowest() and self.slots.acquire(timeout=EVICT_WAIT)
+        ):
+            self.shutdown_request(request)  # every slot is answering a request: drop this one
             return
+        with self.reading_lock:
+            self.reading[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.read(request)
             self.slots.release()
             raise
 
@@ -135,6 +196,7 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.read(request)
             self.slots.release()
 
 

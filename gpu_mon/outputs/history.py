@@ -12,6 +12,7 @@ RETRY_SECONDS; retention runs at start and once a day.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,6 +30,7 @@ log = logging.getLogger("gpu_mon")
 FLUSH_SECONDS = 5.0
 RETRY_SECONDS = 300.0
 RETENTION_EVERY_SECONDS = 86400.0
+_SKIPS_SAID = 5  # lines about records skipped (then none: each would be the same bug)
 _MAX_QUEUED = 100_000  # operations; beyond this (a writer stuck for hours) they are dropped, and said so
 
 
@@ -176,18 +178,23 @@ class _Writer:
         self.retry_at = 0.0
         self.next_retention = 0.0
         self.failed_said = False
+        self.skipped = 0
         tables = ("intervals", "runs", "idle_holders", "job_runs")
         self.open: Dict[str, Dict[object, int]] = {t: {} for t in tables}
         self.current: Dict[str, Dict[object, tuple]] = {t: {} for t in tables}
 
     def run(self) -> None:
-        """Until a `close` operation: gather a batch, write it."""
+        """Until a `close` operation: gather a batch, write it. Never ends otherwise: an unexpected error is
+        said once (until a batch is written again) and history pauses as for a write error."""
         self._open(time.time())  # at once: the file exists (and a problem is said) from the start
         closing = False
         while not closing:
             batch = self._gather()
             closing = any(op[0] == "close" for op in batch)
-            self._write([op for op in batch if op[0] != "close"])
+            try:
+                self._write([cleaned(op) for op in batch if op[0] != "close"])
+            except Exception as err:  # a bug must not silently end every later record
+                self._failed(time.time(), err)
         if self.conn is not None:
             self.conn.close()
 
@@ -213,13 +220,26 @@ class _Writer:
         try:
             self.conn.execute("BEGIN")
             for op in batch:
-                getattr(self, f"_op_{op[0]}")(op)
+                self._apply(op)
             self._extend_open(now)
             self.conn.execute("COMMIT")
             self._retention(now)
             self.failed_said = False
         except historydb.Error as err:
             self._failed(now, err)
+
+    def _apply(self, op: tuple) -> None:
+        """One operation; one that cannot be stored (not sqlite's error: the database is fine) is skipped,
+        with one line (the first few of them)."""
+        try:
+            getattr(self, f"_op_{op[0]}")(op)
+        except historydb.Error:
+            raise
+        except Exception as err:
+            self.skipped += 1
+            if self.skipped <= _SKIPS_SAID:
+                more = " (no more such lines)" if self.skipped == _SKIPS_SAID else ""
+                log.warning("history: skipped a %s record that cannot be stored: %r%s", op[0], err, more)
 
     def _open(self, now: float) -> bool:
         if now < self.retry_at:
@@ -265,9 +285,10 @@ class _Writer:
                 err,
                 RETRY_SECONDS,
             )
-        with contextlib.suppress(historydb.Error):
-            self.conn.execute("ROLLBACK")
-        self.conn.close()
+        if self.conn is not None:
+            with contextlib.suppress(historydb.Error):
+                self.conn.execute("ROLLBACK")
+            self.conn.close()
         self.conn, self.retry_at = None, now + RETRY_SECONDS
         for rows in self.open.values():
             rows.clear()
@@ -407,6 +428,34 @@ class _Writer:
             "ON CONFLICT (job, submitted, start) DO UPDATE SET end = COALESCE(?, end), how = excluded.how",
             (*_job_run(run), run.end, run.start, run.how, run.wait, run.restart, run.end),
         )
+
+
+def storable(text: str) -> str:
+    """Text SQLite can store (UTF-8): a name that is not UTF-8 (a file name's bytes, which Python holds as
+    lone surrogates) keeps its bytes as `\\xff` escapes; any other lone surrogate as `\\ud800`."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def cleaned(value: object) -> object:
+    """An operation with every text in it storable (tuples, lists and a JobRun's fields looked into)."""
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(cleaned(v) for v in value)
+    if isinstance(value, JobRun):
+        fields = {f.name: cleaned(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
+    return value
 
 
 def _job_run(run: JobRun) -> tuple:

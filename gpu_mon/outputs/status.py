@@ -41,6 +41,8 @@ def from_report(report: RoundReport) -> dict:
         idle_holders=report.idle_holders,
         queue=report.queue,  # type: ignore[arg-type]
     )
+    if report.queue_down is not None:
+        doc = with_queue_down(doc, *report.queue_down)
     return doc if report.slurm is None else with_slurm(doc, report.slurm)  # type: ignore[arg-type]
 
 
@@ -293,7 +295,7 @@ def render(doc: dict) -> str:
     if (doc.get("slurm") or {}).get("unreachable"):
         lines += ["", "Slurm: cannot be reached (gpu-mon tries again each round)"]
     if doc.get("queue"):
-        lines += ["", queue_line(doc["queue"])]
+        lines += ["", queue_line(doc["queue"], now)]
     lines += _idle_holder_lines(doc, now) + _terminal_lines(doc, now) + _workload_lines(doc, now)
     if doc.get("occupiers"):
         lines += ["", "Occupiers (gpu-mon occupy, every user's):"]
@@ -397,9 +399,19 @@ def job_words(job: dict, now: float) -> str:
     return f"job {job['id']} {who} ({job['state']} {up}{restart})"
 
 
-def queue_line(queue: dict) -> str:
+def with_queue_down(doc: dict, why: str, next_try_wall: float) -> dict:
+    """The document of a daemon whose [queue] could not start: why, and when it is tried again (no jobs:
+    none runs)."""
+    doc["queue"] = {"jobs": {}, "running": [], "not_running": why, "next_try_wall": round(next_try_wall)}
+    return doc
+
+
+def queue_line(queue: dict, now: Optional[float] = None) -> str:
     """`Queue: 3 running, 12 queued, 2 held (gpu-mon jobs lists them)`, and the drain's line when the
-    admin drained the queue."""
+    admin drained the queue; `Queue: not running: WHY; next try in 20 s` when it could not start."""
+    if queue.get("not_running"):
+        wait = max(0, round((queue.get("next_try_wall") or 0) - (time.time() if now is None else now)))
+        return f"Queue: not running: {sanitize(str(queue['not_running']))}; next try in {wait} s"
     n = queue.get("jobs") or {}
     shown = [s for s in ("running", "stopping", "queued", "held") if n.get(s) or s != "stopping"]
     parts = [f"{n.get(s, 0)} {s}" for s in shown]
@@ -411,10 +423,14 @@ def queue_line(queue: dict) -> str:
 
 
 def with_idle_seconds(doc: dict, now: float) -> dict:
-    """The document with each idle holder's `idle_seconds` as of `now` (for `status --json`)."""
+    """The document with each idle holder's `idle_seconds` as of `now` (for `status --json`), and a queue
+    that could not start's `next_try_seconds`."""
     for h in doc.get("idle_holders") or []:
         if h.get("idle_since_wall") is not None:
             h["idle_seconds"] = max(0, round(now - h["idle_since_wall"]))
+    queue = doc.get("queue")
+    if isinstance(queue, dict) and queue.get("not_running"):
+        queue["next_try_seconds"] = max(0, round((queue.get("next_try_wall") or 0) - now))
     return doc
 
 
@@ -457,6 +473,10 @@ def occupier_lines(found: List[dict], gpus: List[dict], now: float) -> List[str]
     index = {g.get("uuid"): g.get("index") for g in gpus}
     lines = []
     for r in found:
+        if r.get("unreadable"):  # (api/occupiers.py: its owner wrote into it what no occupier writes)
+            who, why = sanitize(str(r.get("user"))), sanitize(str(r["unreadable"]))
+            lines.append(f"    {who:<12} unreadable record ({why}), pid {r.get('pid')}")
+            continue
         held = [f"GPU {index[u]}" if index.get(u) is not None else str(u) for u in r.get("gpus") or []]
         asked = [f"GPU {g}" if str(g).isdigit() else str(g) for g in r.get("gpus_asked") or []]
         where = ", ".join(asked or held) or "every GPU"
