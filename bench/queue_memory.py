@@ -326,7 +326,7 @@ def rows(results: Dict[str, Dict[str, object]], a: argparse.Namespace) -> List[L
         [f"daemon peak RSS (VmHWM) under {load}, {a.seconds:g} s", *each(peak)],
         ["another user's submit under the load: p50 / max (answered)", *each(submits)],
         ["hostile `jobs` asks answered / refused in one line", *each(seen)],
-        [f"gpu-mon jobs --json, {a.jobs} big jobs, after the load", *each(lambda r: r["jobs_json"])],
+        [f"gpu-mon jobs --json ({a.jobs} big jobs and the probes), after", *each(lambda r: r["jobs_json"])],
     ]
 
 
