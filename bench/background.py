@@ -137,20 +137,29 @@ def start_daemon(work: Path, conf: str, pythonpath: str) -> Tuple[subprocess.Pop
 
 def queue_request(path: str, obj: dict, timeout: float = 60.0) -> dict:
     """One request on a gpu-mon queue socket, as `gpu-mon submit` sends it (a 4-byte big-endian length and
-    a JSON object; the answer alike), without importing gpu_mon (a baseline's or this checkout's)."""
+    a JSON object; the answer alike, a long one in pages: `"continued": true` on each but the last, their
+    lists joined), without importing gpu_mon (a baseline's or this checkout's)."""
     header = struct.Struct(">I")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
         body = json.dumps(obj).encode()
         s.sendall(header.pack(len(body)) + body)
-        buf = b""
-        while len(buf) < header.size or len(buf) < header.size + header.unpack_from(buf)[0]:
-            data = s.recv(1 << 18)
-            if not data:
-                raise ConnectionError(f"{path}: closed without an answer")
-            buf += data
-        return json.loads(buf[header.size :])
+        buf = bytearray()
+        answer: Dict[str, object] = {"continued": True}
+        while answer.pop("continued", False) is True:
+            while len(buf) < header.size or len(buf) < header.size + header.unpack_from(buf)[0]:
+                data = s.recv(1 << 18)
+                if not data:
+                    raise ConnectionError(f"{path}: closed without an answer")
+                buf += data
+            size = header.size + header.unpack_from(buf)[0]
+            page = json.loads(bytes(buf[header.size : size]))
+            del buf[:size]
+            for key, value in page.items():
+                old = answer.get(key)
+                answer[key] = old + value if isinstance(old, list) and isinstance(value, list) else value
+        return answer
 
 
 def extract_ref(repo: Path, ref: str, dest: Path) -> Path:

@@ -4,6 +4,10 @@ Each job's JSON is kept in three fixed pieces around the two that change without
 waiting reason, from the last placement, and its GPUs' indices). A Job is a new object whenever it
 changes, so `is` tells whether the pieces are still good. Strings are encoded as json.dumps does
 (ensure_ascii), so the object reads back the same.
+
+What is kept is bounded: a job whose JSON is over KEEP_ONE bytes (a long command: up to 64 KiB, each byte
+escaped to as many as 6) is encoded again for each listing, never kept, and no more is kept once KEEP_ALL
+bytes are.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from gpu_mon.queue.jobs import Job
 
 _string = json.encoder.encode_basestring_ascii  # a JSON string, quotes included
 _ISO: Dict[int, str] = {}  # whole seconds -> local ISO time (jobs submitted in a burst share seconds)
+KEEP_ONE = 16 * 1024  # bytes of one job's JSON kept between listings, at most
+KEEP_ALL = 64 << 20  # bytes kept for every job together, at most
 
 
 def iso(t: Optional[float]) -> Optional[str]:
@@ -90,6 +96,7 @@ class Listing:
     def __init__(self) -> None:
         # job id -> (the job, its reason and indices when last encoded, its three pieces, the whole)
         self._kept: Dict[int, tuple] = {}
+        self.kept_bytes = 0  # of the pieces and wholes kept
 
     def encoded(self, j: Job, reason: str, indices: tuple) -> bytes:
         """The job's JSON object, as bytes."""
@@ -103,7 +110,7 @@ class Listing:
         head, gpus, tail = pieces
         index_list = "[" + ",".join("null" if i is None else str(i) for i in indices) + "]"
         whole = b"".join((head, _string(reason).encode(), gpus, index_list.encode(), tail))
-        self._kept[j.id] = (j, reason, indices, pieces, whole)
+        self._keep(j, (j, reason, indices, pieces, whole))
         return whole
 
     def prepare(self, j: Job) -> None:
@@ -111,12 +118,28 @@ class Listing:
         then only adds the reasons)."""
         kept = self._kept.get(j.id)
         if kept is None or kept[0] is not j:
-            self._kept[j.id] = (j, None, None, _pieces(j), b"")
+            self._keep(j, (j, None, None, _pieces(j), b""))
+
+    def _keep(self, j: Job, entry: tuple) -> None:
+        """Keep the entry, within KEEP_ONE and KEEP_ALL (else forget what was kept of the job)."""
+        old = self._kept.pop(j.id, None)
+        if old is not None:
+            self.kept_bytes -= _size(old)
+        size = _size(entry)
+        if size - len(entry[4]) <= KEEP_ONE and self.kept_bytes + size <= KEEP_ALL:
+            self._kept[j.id] = entry
+            self.kept_bytes += size
 
     def keep_only(self, ids: Iterable[int]) -> None:
         """Forget the jobs not in `ids` (pruned)."""
         wanted = set(ids)
         self._kept = {i: v for i, v in self._kept.items() if i in wanted}
+        self.kept_bytes = sum(map(_size, self._kept.values()))
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+def _size(entry: tuple) -> int:
+    """Bytes of a kept entry's pieces and whole."""
+    return sum(map(len, entry[3])) + len(entry[4])

@@ -2,6 +2,10 @@
 
 A frame over MAX_FRAME, a length that is not followed by a JSON object, or anything else that is not a
 frame is a ProtocolError (one line). The client side (`request`) is here too: one request, one answer.
+
+A long answer (`jobs`) comes in pages: frames made one at a time as the client reads them, each but the
+last with `"continued": true`; `request` joins their lists (`jobs`) into one answer. An answer that fits
+one page is one frame, as before pages.
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 MAX_FRAME = 1 << 20  # a request: a submit's 64 KiB command and 256 KiB environment fit, escaped, with room
-MAX_ANSWER = 1 << 28  # an answer (`jobs` with every job of a long queue)
+MAX_ANSWER = 1 << 28  # one frame of an answer (a page of `jobs` is far less: about PAGE_BYTES and a job)
+PAGE_BYTES = 256 * 1024  # a page of a long answer: jobs are added until it holds this many bytes
 _HEADER = struct.Struct(">I")
 DEFAULT_OUTPUT = ".local/state/gpu-mon/jobs"  # a job's output without --output: under the user's home, ID.log
 _RECV = 1 << 18
@@ -35,6 +40,14 @@ class Encoded:
     body: bytes
 
 
+class Pages:
+    """An answer made a page at a time: each item of `bodies` is one frame's JSON object, made only when
+    the server is ready to send it (every one but the last with `"continued": true`)."""
+
+    def __init__(self, bodies: Iterator[bytes]):
+        self.bodies = bodies
+
+
 def encode(obj: Union[dict, Encoded], limit: int = MAX_FRAME) -> bytes:
     """One frame."""
     body = obj.body if isinstance(obj, Encoded) else json.dumps(obj, separators=(",", ":")).encode("utf-8")
@@ -51,7 +64,8 @@ class FrameReader:
         self.limit = limit
 
     def feed(self, data: bytes) -> Optional[dict]:
-        """Add bytes; the object once its frame is complete, else None; ProtocolError for a bad frame."""
+        """Add bytes; the object once its frame is complete (taken out: the bytes after it stay for the
+        next call), else None; ProtocolError for a bad frame."""
         self.buf += data
         if len(self.buf) < _HEADER.size:
             return None
@@ -61,6 +75,7 @@ class FrameReader:
         if len(self.buf) < _HEADER.size + size:
             return None
         body = bytes(self.buf[_HEADER.size : _HEADER.size + size])
+        del self.buf[: _HEADER.size + size]
         try:
             obj = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):
@@ -86,15 +101,33 @@ def request(path: str, obj: dict, timeout: float = 30.0) -> dict:
             raise NoDaemon(f"{path}: permission denied") from None
         sock.sendall(encode(obj))
         reader = FrameReader(MAX_ANSWER)
-        while True:
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            data = sock.recv(_RECV)
-            if not data:
-                raise NoDaemon(f"the daemon on {path} closed the connection without an answer")
-            answer = reader.feed(data)
-            if answer is not None:
-                return answer
+        answer = _frame(sock, reader, deadline, path)
+        while answer.pop("continued", False) is True:
+            _join(answer, _frame(sock, reader, deadline, path))
+        return answer
     except socket.timeout:
         raise NoDaemon(f"the daemon on {path} did not answer within {timeout:g} s") from None
     finally:
         sock.close()
+
+
+def _frame(sock: socket.socket, reader: FrameReader, deadline: float, path: str) -> dict:
+    """The next frame's object from the socket (or already read)."""
+    obj = reader.feed(b"")
+    while obj is None:
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        data = sock.recv(_RECV)
+        if not data:
+            raise NoDaemon(f"the daemon on {path} closed the connection without an answer")
+        obj = reader.feed(data)
+    return obj
+
+
+def _join(answer: dict, page: dict) -> None:
+    """A page added to the answer so far: its lists extend the answer's, `continued` says if more come."""
+    if page.get("ok") is not True:  # (the daemon could not go on: say why)
+        raise NoDaemon(f"the daemon stopped its answer: {page.get('error', 'no reason given')}")
+    for key, value in page.items():
+        if isinstance(value, list) and isinstance(answer.get(key), list):
+            answer[key].extend(value)
+    answer["continued"] = page.get("continued", False)

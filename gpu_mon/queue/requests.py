@@ -16,7 +16,7 @@ import os
 import pwd
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
@@ -26,13 +26,15 @@ from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import Listing, iso, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
-from gpu_mon.queue.protocol import DEFAULT_OUTPUT, Encoded
+from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
 from gpu_mon.queue.store import Drained, Refused, Store
 from gpu_mon.queue.words import refusal
 from gpu_mon.queue.words import waiting as waiting_words
 
 log = logging.getLogger("gpu_mon")
+
+Entry = Union[Job, Tuple[int, str]]  # a job of a listing, or an array's elements in one state (collapsed)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Requests:
         for j in self.store.all():
             self.listing.prepare(j)
 
-    def answer(self, peer: Peer, req: dict) -> Union[dict, Encoded]:
+    def answer(self, peer: Peer, req: dict) -> Union[dict, Encoded, Pages]:
         """The answer to one request (never raises for bad input)."""
         op = req.get("op")
         handler = {
@@ -91,7 +93,7 @@ class Requests:
         try:
             user = _user(peer.uid)
             out = handler(peer, user, req)
-            return out if isinstance(out, Encoded) else {"ok": True, **out}
+            return out if isinstance(out, (Encoded, Pages)) else {"ok": True, **out}
         except Bad as err:
             return {"ok": False, "error": str(err), "code": err.code}
 
@@ -219,11 +221,11 @@ class Requests:
 
     # ------------------------------------------------------------------ jobs
 
-    def _jobs(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
-        """`{"ok": true, "jobs": [...], "more": N}`: with `limit`, at most that many queued or held jobs
-        are listed (every running one is) and `more` counts the rest."""
-        view, now = self.view(), time.time()
-        want_user = fields.optional_text(req.get("user"), "--user", 256)
+    def _jobs(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Pages:
+        """`{"ok": true, "jobs": [...], "more": N, "drained": ...}`: with `limit`, at most that many queued
+        or held jobs are listed (every running one is) and `more` counts the rest. In pages (PAGE_BYTES),
+        each made when the client is ready for it: the jobs are picked when the first is made."""
+        fields.optional_text(req.get("user"), "--user", 256)
         want_state = req.get("state")
         if want_state is not None and want_state not in J.STATES:
             raise Bad(f"--state {sanitize(str(want_state))[:20]!r} is not a job state")
@@ -232,6 +234,31 @@ class Requests:
             raise Bad("ids must be job ids")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise Bad("limit must be a whole number")
+        if ids:
+            for ref in ids:
+                _ref(ref)  # (a bad one refused now, in one line)
+        return Pages(self._pages(req, ids, limit))
+
+    def _pages(self, req: dict, ids: list, limit: Optional[int]) -> Iterator[bytes]:
+        view, now = self.view(), time.time()
+        entries, groups = self._entries(req, ids)
+        shown, more = _limited(entries, groups, limit)
+        if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
+            self.listing.keep_only(self.store.jobs)
+        head = b'"more":%d,"drained":%s,' % (more, _drained_json(self.store.drained).encode())
+        parts: List[bytes] = []
+        size = 0
+        for e in shown:
+            if size >= PAGE_BYTES:
+                yield b'{"ok":true,%s"jobs":[%s],"continued":true}' % (head, b",".join(parts))
+                parts, size, head = [], 0, b""
+            parts.append(self._entry(e, groups, view, now))
+            size += len(parts[-1]) + 1
+        yield b'{"ok":true,%s"jobs":[%s]}' % (head, b",".join(parts))
+
+    def _entries(self, req: dict, ids: list) -> Tuple[List[Entry], Dict[Tuple[int, str], List[Job]]]:
+        """The jobs the request lists, in order: a job, or (collapse) an array's elements in one state."""
+        want_user, want_state = req.get("user"), req.get("state")
         every = bool(req.get("all")) or bool(ids) or want_state in J.ENDED
         if ids:
             found = {j.id: j for ref in ids for j in self._found(ref)}
@@ -239,7 +266,7 @@ class Requests:
         else:
             candidates = self.store.all()
         collapse = bool(req.get("collapse"))
-        entries: List[Union[Job, Tuple[int, str]]] = []  # a job, or an array's elements in one state
+        entries: List[Entry] = []
         groups: Dict[Tuple[int, str], List[Job]] = {}
         for j in candidates:
             if (want_user and j.user != want_user) or (want_state and j.state != want_state):
@@ -256,25 +283,16 @@ class Requests:
                     group.append(j)
                 continue
             entries.append(j)
-        parts: List[bytes] = []
-        waiting = more = 0
-        for e in entries:
-            first = e if isinstance(e, Job) else groups[e][0]
-            if limit is not None and first.state in (J.QUEUED, J.HELD):
-                waiting += 1
-                if waiting > limit:
-                    more += 1
-                    continue
-            encoded = self._encoded(first, view, now)
-            if not isinstance(e, Job):
-                members = groups[e]
-                indices = arrays.ranges(m.array_index for m in members)
-                encoded = encoded[:-1] + b',"elements":"%s","count":%d}' % (indices.encode(), len(members))
-            parts.append(encoded)
-        if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
-            self.listing.keep_only(self.store.jobs)
-        drained = _drained_json(self.store.drained).encode()
-        return Encoded(b'{"ok":true,"jobs":[%s],"more":%d,"drained":%s}' % (b",".join(parts), more, drained))
+        return entries, groups
+
+    def _entry(self, e: Entry, groups: Dict[Tuple[int, str], List[Job]], view: View, now: float) -> bytes:
+        """One entry's JSON: a job's, or a collapsed group's (its first element, with `elements`)."""
+        if isinstance(e, Job):
+            return self._encoded(e, view, now)
+        members = groups[e]
+        encoded = self._encoded(members[0], view, now)
+        indices = arrays.ranges(m.array_index for m in members)
+        return encoded[:-1] + b',"elements":"%s","count":%d}' % (indices.encode(), len(members))
 
     def _ids(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
         """`{"ok": true, "ids": [...]}`: the asking user's own jobs (root's too: only its own), in these
@@ -471,6 +489,25 @@ class Requests:
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))
         return {"path": output_of(job), "state": job.state}
+
+
+def _limited(
+    entries: List[Entry], groups: Dict[Tuple[int, str], List[Job]], limit: Optional[int]
+) -> Tuple[List[Entry], int]:
+    """The entries listed under `limit` (queued or held ones, at most that many) and how many are not."""
+    if limit is None:
+        return entries, 0
+    shown: List[Entry] = []
+    waiting = more = 0
+    for e in entries:
+        first = e if isinstance(e, Job) else groups[e][0]
+        if first.state in (J.QUEUED, J.HELD):
+            waiting += 1
+            if waiting > limit:
+                more += 1
+                continue
+        shown.append(e)
+    return shown, more
 
 
 def _admin(peer: Peer) -> bool:

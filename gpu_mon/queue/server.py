@@ -5,6 +5,14 @@ Each connection: the kernel's peer credentials (SO_PEERCRED) when it is accepted
 CLIENT_SECONDS of connecting, one answer, closed. Garbage, an oversized frame or silence gets a one-line
 error answer (when the client still listens) and the connection is closed. The socket is 0666 in a 0755
 directory: who may do what is decided per request from the peer's uid (requests.py).
+
+What one user can make the daemon hold is bounded (one line refuses the rest; root is not counted against
+MAX_USER_CONNECTIONS): at most MAX_USER_CONNECTIONS connections at once, REQUEST_BYTES_PER_USER bytes of
+requests not yet complete (REQUEST_BYTES for all users: past it, the user holding the most loses their
+largest), and ANSWER_BYTES_PER_USER bytes of answers made and not yet read (ANSWER_BYTES for all). A long
+answer is sent in pages (protocol.Pages), each made when the last one is read and only while the user's
+and everyone's answer bytes are within those limits: otherwise the connection waits its turn (at most
+PARK_SECONDS), and a client must read each page within CLIENT_SECONDS.
 """
 
 from __future__ import annotations
@@ -21,16 +29,33 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import Dict, Iterator, List, Optional, Union
 
-from gpu_mon.queue.protocol import MAX_ANSWER, Encoded, FrameReader, ProtocolError, encode
+from gpu_mon.queue.budget import Budget
+from gpu_mon.queue.protocol import (
+    MAX_ANSWER,
+    PAGE_BYTES,
+    Encoded,
+    FrameReader,
+    Pages,
+    ProtocolError,
+    encode,
+)
 from gpu_mon.queue.requests import Peer, Requests
 
 log = logging.getLogger("gpu_mon")
 
-CLIENT_SECONDS = 3.0  # to send its request; as long again to read the answer
+CLIENT_SECONDS = 3.0  # to send its request; as long again to read the answer (each page of it)
+PARK_SECONDS = 30.0  # an answer waits at most this long for its turn to be made
 MAX_CONNECTIONS = 4000
+MAX_USER_CONNECTIONS = 32  # one user's connections at once (root's are not counted)
+REQUEST_BYTES_PER_USER = 16 << 20  # received bytes of one user's requests not yet complete
+REQUEST_BYTES = 64 << 20  # ... of every user's
+ANSWER_BYTES_PER_USER = 16 << 20  # bytes of answers to one user made and not yet handed to the kernel
+ANSWER_BYTES = 64 << 20  # ... to every user
 _CRED = struct.Struct("3i")
+_MIB = 1 << 20
+_TOO_MANY = "too many connections from you at once"
 
 
 class ServerError(Exception):
@@ -46,6 +71,10 @@ class _Conn:
     out: bytes = b""
     sent: int = 0
     answered: bool = False
+    rest: Optional[Iterator[bytes]] = None  # the pages of the answer still to be made
+    parked: bool = False  # waiting for answer bytes to be given back before its next page is made
+    held_in: int = 0  # bytes of its request counted in Server.requests_held
+    held_out: int = 0  # bytes of its answer counted in Server.answers_held
 
 
 class Server:
@@ -60,6 +89,10 @@ class Server:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stopping = False
         self.max_conns = _max_connections()
+        self.per_uid: Dict[int, int] = {}  # connections of each user now
+        self.requests_held = Budget(REQUEST_BYTES_PER_USER, REQUEST_BYTES)
+        self.answers_held = Budget(ANSWER_BYTES_PER_USER, ANSWER_BYTES)
+        self.parked: List[_Conn] = []  # in the order they began to wait
 
     def start(self) -> None:
         """Make the socket and start serving; ServerError when the socket cannot be made."""
@@ -131,7 +164,7 @@ class Server:
         elif what == "wake":
             with contextlib.suppress(OSError):
                 os.read(self._wake_r, 4096)
-        elif isinstance(what, _Conn):
+        elif isinstance(what, _Conn) and not what.parked and self.conns.get(what.sock.fileno()) is what:
             if mask & selectors.EVENT_READ and not what.answered:
                 self._read(what)
             if mask & selectors.EVENT_WRITE:
@@ -151,8 +184,14 @@ class Server:
                 raise
             sock.setblocking(False)
             pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            if uid != 0 and self.per_uid.get(uid, 0) >= MAX_USER_CONNECTIONS:
+                with contextlib.suppress(OSError):
+                    sock.send(_refusal(_TOO_MANY + f" (at most {MAX_USER_CONNECTIONS})"))
+                sock.close()
+                continue
             conn = _Conn(sock, Peer(pid, uid, gid), time.monotonic() + CLIENT_SECONDS)
             self.conns[sock.fileno()] = conn
+            self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
             self.sel.register(sock, selectors.EVENT_READ, conn)
             if len(self.conns) > self.max_conns:
                 self._evict()
@@ -160,19 +199,16 @@ class Server:
     def _evict(self) -> None:
         """Too many clients at once: the user with the most connections loses their oldest waiting one
         (one line), so that many connections of one user never keep another's submit out."""
-        per_uid: Dict[int, int] = {}
-        for c in self.conns.values():
-            per_uid[c.peer.uid] = per_uid.get(c.peer.uid, 0) + 1
-        uid = max(per_uid, key=lambda u: per_uid[u])
+        uid = max(self.per_uid, key=lambda u: self.per_uid[u])
         waiting = [c for c in self.conns.values() if c.peer.uid == uid and not c.answered]
-        if not waiting:
-            return
-        oldest = min(waiting, key=lambda c: c.deadline)
+        if waiting:
+            self._refuse(min(waiting, key=lambda c: c.deadline), _TOO_MANY)
+
+    def _refuse(self, conn: _Conn, why: str) -> None:
+        """One line to the client (if it listens), and the connection closed."""
         with contextlib.suppress(OSError):
-            oldest.sock.send(
-                encode({"ok": False, "error": "too many connections from you at once", "code": 1})
-            )
-        self._close(oldest)
+            conn.sock.send(_refusal(why))
+        self._close(conn)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -191,20 +227,46 @@ class Server:
             log.debug("queue: uid %d pid %d: %s", conn.peer.uid, conn.peer.pid, err)
             self._answer(conn, {"ok": False, "error": str(err), "code": 2})
             return
-        if req is not None:
-            self._answer(conn, self.requests.answer(conn.peer, req))
+        self._hold_request(conn, len(conn.reader.buf) if req is None else 0)
+        if req is None or conn.sock.fileno() not in self.conns:
+            return
+        self._answer(conn, self.requests.answer(conn.peer, req))
 
-    def _answer(self, conn: _Conn, answer: Union[dict, Encoded]) -> None:
-        try:
-            conn.out = encode(answer, MAX_ANSWER)
-        except Exception as err:  # (an answer too large to send)
-            conn.out = encode({"ok": False, "error": str(err), "code": 1})
+    def _hold_request(self, conn: _Conn, size: int) -> None:
+        """Count the connection's unfinished request as `size` bytes; past a limit, refuse (one line)
+        this one (its user's limit) or the largest of the user who holds the most (everyone's)."""
+        uid, held = conn.peer.uid, self.requests_held
+        held.give(uid, conn.held_in)
+        held.take(uid, size)
+        conn.held_in = size
+        if held.of(uid) > held.per_user:
+            mib = held.per_user // _MIB
+            self._refuse(conn, f"too many unfinished requests from you at once (at most {mib} MiB in all)")
+        while held.sum > held.total:
+            biggest = held.biggest()
+            mine = [c for c in self.conns.values() if c.peer.uid == biggest and c.held_in]
+            if not mine:
+                break
+            victim = max(mine, key=lambda c: c.held_in)
+            why = f"too many unfinished requests at once ({held.total // _MIB} MiB; yours are the most)"
+            self._refuse(victim, why)
+
+    def _answer(self, conn: _Conn, answer: Union[dict, Encoded, Pages]) -> None:
+        self._hold_request(conn, 0)
         conn.answered = True
         conn.deadline = time.monotonic() + CLIENT_SECONDS
         self.sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        if isinstance(answer, Pages):
+            conn.rest = answer.bodies
+        else:
+            self._set_out(conn, _frame(answer))
         self._write(conn)
 
     def _write(self, conn: _Conn) -> None:
+        """Hand the kernel what it takes of the page; a page taken whole: the next one is made on the
+        next call (one page a call: a long answer never keeps the others waiting)."""
+        if conn.sent >= len(conn.out) and not self._next_page(conn):
+            return
         try:
             conn.sent += conn.sock.send(memoryview(conn.out)[conn.sent :])
         except (BlockingIOError, InterruptedError):
@@ -213,7 +275,57 @@ class Server:
             self._close(conn)
             return
         if conn.sent >= len(conn.out):
+            self._set_out(conn, b"")
+            if conn.rest is None:
+                self._close(conn)
+            else:
+                conn.deadline = time.monotonic() + CLIENT_SECONDS
+
+    def _next_page(self, conn: _Conn) -> bool:
+        """Make the answer's next page (True), or wait for answer bytes to be given back (parked), or
+        close the connection after the last one."""
+        if conn.rest is None:
             self._close(conn)
+            return False
+        if not self.answers_held.fits(conn.peer.uid, PAGE_BYTES):
+            self._park(conn)
+            return False
+        try:
+            body = next(conn.rest, None)
+        except Exception:  # a bug in making one listing must not end the server, nor be silent
+            log.exception("queue: internal error making a page of an answer")
+            body, conn.rest = _stopped(), None
+        if body is None:
+            self._close(conn)
+            return False
+        self._set_out(conn, _frame(Encoded(body)))
+        return True
+
+    def _set_out(self, conn: _Conn, out: bytes) -> None:
+        """The page being sent (b"": none), counted in answers_held; given back: waiting answers go on."""
+        conn.out, conn.sent = out, 0
+        freed = conn.held_out - len(out)
+        self.answers_held.give(conn.peer.uid, conn.held_out)
+        self.answers_held.take(conn.peer.uid, len(out))
+        conn.held_out = len(out)
+        if freed > 0 and self.parked:
+            self._unpark()
+
+    def _park(self, conn: _Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        conn.parked = True
+        conn.deadline = time.monotonic() + PARK_SECONDS
+        self.parked.append(conn)
+
+    def _unpark(self) -> None:
+        """The waiting answers that now fit go on, oldest first."""
+        for conn in list(self.parked):
+            if self.answers_held.fits(conn.peer.uid, PAGE_BYTES):
+                self.parked.remove(conn)
+                conn.parked = False
+                conn.deadline = time.monotonic() + CLIENT_SECONDS
+                self.sel.register(conn.sock, selectors.EVENT_WRITE, conn)
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self.conns.values() if c.deadline <= now]:
@@ -224,10 +336,39 @@ class Server:
             self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
-        self.conns.pop(conn.sock.fileno(), None)
+        if self.conns.pop(conn.sock.fileno(), None) is None:
+            return
+        uid = conn.peer.uid
+        left = self.per_uid.get(uid, 0) - 1
+        if left > 0:
+            self.per_uid[uid] = left
+        else:
+            self.per_uid.pop(uid, None)
+        if conn.parked:
+            self.parked.remove(conn)
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
+        conn.rest = None
+        self.requests_held.give(uid, conn.held_in)
+        conn.held_in = 0
+        self._set_out(conn, b"")
+
+
+def _frame(answer: Union[dict, Encoded]) -> bytes:
+    """The answer's frame; one that cannot be sent (too large) is a one-line error instead."""
+    try:
+        return encode(answer, MAX_ANSWER)
+    except Exception as err:
+        return encode({"ok": False, "error": str(err), "code": 1})
+
+
+def _refusal(why: str) -> bytes:
+    return encode({"ok": False, "error": why, "code": 1})
+
+
+def _stopped() -> bytes:
+    return b'{"ok":false,"error":"internal error making this answer (please report it)","code":1}'
 
 
 def _max_connections() -> int:
