@@ -17,7 +17,7 @@ import pwd
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
@@ -306,8 +306,7 @@ class Requests:
         wanted = set(J.STATES if states is None else states if isinstance(states, list) else ())
         if not wanted or not all(isinstance(s, str) for s in wanted):
             raise Bad("states must be a list of job states")
-        ids = [b"%d" % j.id for j in self.store.all() if j.uid == peer.uid and j.state in wanted]
-        return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(ids))
+        return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(_named_ids(self.store.all(), peer.uid, wanted)))
 
     def _encoded(self, j: Job, view: View, now: float) -> bytes:
         reason = reason_of(j, view, now)
@@ -648,3 +647,18 @@ def _signal(value: object) -> int:
         if sig is not None and sig not in (signal.SIGKILL, signal.SIGSTOP):
             return int(sig)
     raise Bad(f"--stop-signal {sanitize(str(value))[:20]!r} is not a signal name")
+
+
+def _named_ids(jobs: Iterable[Job], uid: int, wanted: Set[str]) -> List[bytes]:
+    """As users name them, JSON strings: `"17"`; an array's elements `"22_0"`, ... and the array once, `"22"`
+    (before its first element listed)."""
+    ids: List[bytes] = []
+    arrays: Set[int] = set()
+    for j in jobs:
+        if j.uid != uid or j.state not in wanted:
+            continue
+        if j.array_id and j.array_id not in arrays:
+            arrays.add(j.array_id)
+            ids.append(b'"%d"' % j.array_id)
+        ids.append(b'"%s"' % J.ref(j).encode())
+    return ids
