@@ -1,6 +1,7 @@
 """`gpu-mon _job-ids COMMAND [--config PATH] [--prefix P]`: the calling user's job ids (starting with P),
-one a line, for shell completion of `cancel`, `hold`, `release` and `logs`, and the `gpu-mon` executable's
-entry point that answers it.
+one a line, as users name them (`17`; an array `22` and its elements `22_0`, `22_1`, ...), for shell
+completion of `cancel`, `hold`, `release` and `logs`, and the `gpu-mon` executable's entry point that
+answers it.
 
 A TAB has to be answered at once (under 50 ms with 10 000 jobs queued: bench/completion.py), and the
 whole CLI takes 150-250 ms to import, so `console_main` answers `_job-ids` before importing it, with the
@@ -52,7 +53,7 @@ def console_main() -> None:
     cli_main()
 
 
-def job_ids(argv: Sequence[str]) -> List[int]:
+def job_ids(argv: Sequence[str]) -> List[str]:
     """The ids `COMMAND [--config PATH] [--prefix P]` completes to (empty on any failure)."""
     command = argv[0] if argv else ""
     config = _value(argv, "--config")
@@ -63,7 +64,8 @@ def job_ids(argv: Sequence[str]) -> List[int]:
     for path in _sockets(config):
         ids = _ask(path, req)
         if ids is not None:
-            return [i for i in ids if isinstance(i, int) and str(i).startswith(prefix)]
+            named = (str(i) for i in ids if isinstance(i, (int, str)) and not isinstance(i, bool))
+            return [i for i in named if i.startswith(prefix)]
     return []
 
 

@@ -64,7 +64,8 @@ def _complete(
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    return sorted((line.split("\t")[0] for line in r.stdout.splitlines() if line), key=int)
+    offered = (line.split("\t")[0] for line in r.stdout.splitlines() if line)
+    return sorted(offered, key=lambda i: [int(n) for n in i.split("_")])  # (17 < 17_0 < 17_1 < 18)
 
 
 def test_cancel_hold_release_and_logs_complete_to_the_users_own_jobs(lab, daemon_factory):  # noqa: F811

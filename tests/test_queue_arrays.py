@@ -146,7 +146,7 @@ def test_placement_keeps_an_arrays_limit_and_waits_for_a_whole_array() -> None:
     plan = placement.place([*elements, after], gpus, QueueSection(), 0, 100.0, time.time())
     assert [s.job for s in plan.starts] == [1, 2]
     assert plan.waiting[3] == placement.Waiting("array_limit", count=2, limit=2)
-    assert plan.waiting[7] == placement.Waiting("after", after=1)
+    assert plan.waiting[7] == placement.Waiting("after", after="1")
     done = [Job(**{**e.__dict__, "state": "done"}) for e in elements]
     plan = placement.place([*done, after], gpus, QueueSection(), 0, 100.0, time.time())
     assert [s.job for s in plan.starts] == [7]
@@ -287,7 +287,7 @@ def test_cancel_hold_release_and_after_take_an_array_or_one_element(alab, daemon
     r = lab.run(ann, "release", str(arr))
     assert (r.returncode, r.stdout) == (0, f"job {arr}: queued (2 of 4 elements)\n")
     cancelled = lab.wait_state(ben, after, "cancelled")
-    assert cancelled["reason"] == f"after job {arr + 3} cancelled"
+    assert cancelled["reason"] == f"after job {arr}_3 cancelled"  # (the element as users name it)
     r = lab.run(ann, "logs", str(arr))
     assert r.returncode == 2 and "is an array of 4 elements: name one" in r.stderr
     r = lab.run(ann, "wait", str(arr))
@@ -310,7 +310,7 @@ def test_a_daemon_killed_mid_array_restarts_with_every_element_right_and_a_reloa
     d.signal(signal.SIGKILL)
     d.proc.wait(10)
     d.start()
-    d.wait_log(rf"queue: job {arr}(: the processes an earlier| was running when gpu-mon stopped)")
+    d.wait_log(rf"queue: job {arr}_0(: the processes an earlier| was running when gpu-mon stopped)")
     jobs = wait_for(
         lambda: (j := _elements(lab, ann))[f"{arr}_0"]["state"] == "running" and j, 30, "element 0 again"
     )

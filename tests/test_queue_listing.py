@@ -31,7 +31,7 @@ def job(**kw: object) -> Job:
 
 def test_each_job_reads_back_as_its_description_and_changes_are_seen():
     listing = Listing()
-    view = View(waiting={7: Waiting("after", after=3)}, index_of={"GPU-a": 0}, placed_up_to=10)
+    view = View(waiting={7: Waiting("after", after="3")}, index_of={"GPU-a": 0}, placed_up_to=10)
     queued = job(priority=-5)
     running = J.started(job(id=8), ("GPU-a", "GPU-b"), 1.7e9 + 60, 1, 1)
     ended = dataclasses.replace(J.ended(running, 1.7e9 + 120, 3), id=9)

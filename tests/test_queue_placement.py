@@ -49,7 +49,7 @@ def run(jobs, gpus=TWO_FREE, delay=0.0, **queue: object):
 def test_a_queued_job_starts_on_a_free_gpu_and_the_next_one_on_the_other():
     p = run([job(1), job(2, "bob"), job(3)])
     assert p.starts == (StartJob(1, (G0,)), StartJob(2, (G1,)))
-    assert p.waiting == {3: Waiting("taken", gpu=G0, by_job=1)}
+    assert p.waiting == {3: Waiting("taken", gpu=G0, by_job="1")}
     assert p.claimed == {G0: 1, G1: 2}
 
 
@@ -121,7 +121,7 @@ def test_limits_per_user():
 
 def test_after_waits_for_done_and_cancels_on_a_failed_dependency():
     p = run([job(1, state=J.RUNNING, gpus=(G0,), started=WALL), job(2, after=(1,))])
-    assert p.waiting[2] == Waiting("after", after=1) and p.starts == ()
+    assert p.waiting[2] == Waiting("after", after="1") and p.starts == ()
     assert waiting(p.waiting[2], "alice", {}, NOW) == "waiting: after job 1"
     p = run([job(1, state=J.DONE), job(2, after=(1,))])
     assert p.starts == (StartJob(2, (G0,)),)

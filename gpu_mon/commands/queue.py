@@ -93,6 +93,7 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--no-requeue", action="store_true", help="when preempted, end as `preempted`")
     p.add_argument("--hold", action="store_true", help="queue it held: it waits for `gpu-mon release`")
     p.add_argument("--wait", action="store_true", help="wait for the end; exit with the job's status")
+    _add_timeout(p, "with --wait: ")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="what to run")
     p = sub.add_parser("jobs", help="the queue's jobs and why each waits", description="List the queue.")
@@ -132,9 +133,11 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         help="wait until jobs end",
         description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
         "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
-        "(124: time limit; 1: cancelled or preempted).",
+        "(124: time limit; 1: cancelled or preempted). Waiting outlives a restart of the daemon: one line "
+        "on stderr says so and it waits on (for ever, without --timeout, if no daemon comes back).",
     )
     add_common(p, top=False, sim=False)
+    _add_timeout(p, "")
     p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
     p = sub.add_parser(
         "queue",
@@ -145,6 +148,14 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     )
     add_common(p, top=False, sim=False)
     p.add_argument("action", choices=("drain", "resume"))
+
+
+def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
+    p.add_argument(
+        "--timeout",
+        metavar="DURATION",
+        help=f"{prefix}stop waiting after this long (90, 30m, 2h): exit 124, the jobs go on",
+    )
 
 
 COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue")
@@ -160,7 +171,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "hold": _change,
         "release": _change,
         "logs": _logs,
-        "wait": lambda a, s: _wait(s, list(a.ids)),
+        "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids)),
         "queue": _drain,
     }[args.command]
     try:
@@ -186,7 +197,11 @@ def socket_path(args: argparse.Namespace) -> str:
 
 
 def _ask(socket: str, req: dict) -> dict:
-    answer = request(socket, req)
+    return _answer(request(socket, req))
+
+
+def _answer(answer: dict) -> dict:
+    """The daemon's answer; its refusal as one line, with its exit status."""
     if not answer.get("ok"):
         raise CliError(sanitize(str(answer.get("error", "refused"))), int(answer.get("code", 1)))
     return answer
@@ -201,6 +216,9 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         command = command[1:]
     if not command:
         raise CliError("submit: no command given (gpu-mon submit [OPTIONS] -- COMMAND [ARGS...])")
+    if args.timeout is not None and not args.wait:
+        raise CliError("submit: --timeout is how long --wait waits: give --wait too")
+    waiting = _Waiting(args, socket)  # (a bad --timeout is refused before the job is queued)
     req = {
         "op": "submit",
         "command": command,
@@ -215,7 +233,7 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         "notify_each": args.notify_each,
         "stop_signal": _stop_signal(args.stop_signal),
         "stop_main_only": args.stop_main_only or args.stop_signal.upper().startswith("B:"),
-        "time_limit": _duration(args.time_limit) if args.time_limit else None,
+        "time_limit": _duration(args.time_limit, "--time-limit") if args.time_limit else None,
         "output": os.path.abspath(args.output) if args.output else "",
         "requeue": not args.no_requeue,
         "hold": args.hold,
@@ -235,7 +253,8 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
     else:
         print(f"job {answer['id']} {answer['state']} ({answer['ahead']} ahead)")
     sys.stdout.flush()
-    return _wait(socket, [int(answer["id"])]) if args.wait else base.EXIT_OK
+    waiting.answered = True
+    return _wait(waiting, [int(answer["id"])]) if args.wait else base.EXIT_OK
 
 
 def _stop_signal(text: str) -> str:
@@ -243,16 +262,75 @@ def _stop_signal(text: str) -> str:
     return text[2:] if text.upper().startswith("B:") else text
 
 
-def _wait(socket: str, refs: List[Union[int, str]]) -> int:
+class _Waiting:
+    """How `wait` (and `submit --wait`) asks the daemon: until a deadline (--timeout), and on through a
+    restart of the daemon (its socket gone, refusing, or closed without an answer) once it has answered
+    (no daemon at the start is one line, as for `jobs`): one line on stderr, then asked again every 0.5-2
+    s. The config is read again each time (a restart may turn the queue off: one line, as `jobs` says)."""
+
+    def __init__(self, args: argparse.Namespace, socket: str) -> None:
+        self.args, self.socket = args, socket
+        timeout = getattr(args, "timeout", None)
+        seconds = _duration(timeout, "--timeout") if timeout is not None else None
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.told = False
+        self.answered = False  # (the daemon has answered once: `submit` did, or the first listing)
+
+    def left(self) -> Optional[float]:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def jobs(self, refs: List[Union[int, str]]) -> Optional[List[dict]]:
+        """The jobs' states as the daemon has them; None when it does not answer before the deadline."""
+        pause = _POLL_SECONDS
+        while True:
+            left = self.left()
+            if left is not None and left <= 0:
+                return None
+            try:
+                timeout = 30.0 if left is None else max(0.1, min(30.0, left))
+                answer = request(self.socket, _listing(refs), timeout=timeout)
+                self.answered = True
+                return _answer(answer)["jobs"]
+            except (NoDaemon, ConnectionError):  # (reset or broken pipe: it stopped while answering)
+                if not self.answered:
+                    raise
+                self._tell(refs)
+            left = self.left()
+            time.sleep(pause if left is None else max(0.0, min(pause, left)))
+            pause = min(2.0, pause * 2)
+            self.socket = socket_path(self.args)
+
+    def _tell(self, refs: List[Union[int, str]]) -> None:
+        """One line, the first time the daemon does not answer."""
+        if not self.told:
+            print(f"gpu-mon: the daemon is restarting; still waiting for {_named(refs)}", file=sys.stderr)
+            sys.stderr.flush()
+            self.told = True
+
+
+def _listing(refs: List[Union[int, str]]) -> dict:
+    return {"op": "jobs", "ids": refs, "collapse": True}
+
+
+def _named(refs: List[Union[int, str]]) -> str:
+    return ("job " if len(refs) == 1 else "jobs ") + ", ".join(map(str, refs))
+
+
+def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
     """Until every job named has ended (an array: each element, listed by state); then 0 when all are
-    done, else the first failure's status."""
-    while True:
-        jobs = _ask(socket, {"op": "jobs", "ids": refs, "collapse": True})["jobs"]
+    done, else the first failure's status; 124 when --timeout ran out first."""
+    jobs = waiting.jobs(refs)
+    while jobs is not None:
         if not jobs:
             raise CliError(f"no such job: {', '.join(map(str, refs))}", base.EXIT_FAILURE)
         if all(j["state"] in J.ENDED for j in jobs):
             break
-        time.sleep(_POLL_SECONDS)
+        left = waiting.left()
+        time.sleep(_POLL_SECONDS if left is None else max(0.0, min(_POLL_SECONDS, left)))
+        jobs = waiting.jobs(refs)
+    if jobs is None:
+        print(f"gpu-mon: --timeout: {_named(refs)} not ended yet (it goes on)", file=sys.stderr)
+        return EXIT_TIMEOUT
     for j in jobs:
         print(f"job {_shown_id(j)} {j['state']}", file=sys.stderr)
     failed = [j for j in jobs if j["state"] != J.DONE]
@@ -288,10 +366,10 @@ def _shown_id(j: dict) -> str:
     return str(j["id"])
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, option: str) -> float:
     m = _DURATION.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise CliError(f"--time-limit: {text!r} is not a duration (90, 90s, 30m, 2h, 1d)")
+        raise CliError(f"{option}: {text!r} is not a duration (90, 90s, 30m, 2h, 1d)")
     return float(m.group(1)) * _UNIT[m.group(2)]
 
 

@@ -40,8 +40,8 @@ EXIT_STATUS = Topic(
         ("3", "`occupy status`: no occupier of yours runs."),
         (
             "124",
-            "`watch`: CMD was stopped because its GPUs stayed idle. `submit --wait`: the job reached its "
-            "`--time-limit`.",
+            "`watch`: CMD was stopped because its GPUs stayed idle. `submit --wait`, `wait`: the job reached "
+            "its `--time-limit`, or `--timeout` ran out first (the job goes on).",
         ),
         ("130", "Interrupted (Ctrl-C)."),
         (

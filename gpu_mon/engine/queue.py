@@ -23,7 +23,7 @@ import os
 import pwd
 import stat
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from gpu_mon.api.model import Exited, Snapshot
 from gpu_mon.api.procfs import read_stat
@@ -159,14 +159,14 @@ class Queue:
                 self.store.change(
                     job.id, lambda j: j if j.state == J.STOPPING else J.stopping(j, J.STOP_RESTART)
                 )
-                log.info("queue: job %d: the processes an earlier gpu-mon started are stopping", job.id)
+                log.info("queue: job %s: the processes an earlier gpu-mon started are stopping", J.ref(job))
             else:
                 self._unit_said(job)  # (its file removed)
                 new = self.store.change(job.id, lambda j: J.run_lost(j, self.wall()))
                 if new is not None and new.state == J.QUEUED:
-                    log.info("queue: job %d was running when gpu-mon stopped: back in the queue", job.id)
+                    log.info("queue: job %s was running when gpu-mon stopped: back in the queue", J.ref(job))
                 elif new is not None:
-                    log.info("queue: job %d was stopping when gpu-mon stopped: %s", job.id, new.state)
+                    log.info("queue: job %s was stopping when gpu-mon stopped: %s", J.ref(job), new.state)
 
     def _unit_left(self, job: Job, leader_alive: bool) -> bool:
         """Whether the unit of the job's last run still has processes (it is then waited for). Without its
@@ -177,7 +177,7 @@ class Queue:
             return False
         self.orphan_units[job.id] = unit
         if not leader_alive:
-            log.warning("queue: job %d: %s still runs without gpu-mon; killing it", job.id, unit.name)
+            log.warning("queue: job %s: %s still runs without gpu-mon; killing it", J.ref(job), unit.name)
             unit.kill()
         return True
 
@@ -192,7 +192,7 @@ class Queue:
         for job in changed:
             if job is not None:
                 at = time.strftime(_CLOCK, time.localtime(self.wall()))
-                self.note(job, f"gpu-mon: job {job.id} stopped at {at}: gpu-mon is stopping; requeued")
+                self.note(job, f"gpu-mon: job {J.ref(job)} stopped at {at}: gpu-mon is stopping; requeued")
 
     def close(self) -> None:
         """Stop listening; end the running hooks (a few seconds at most); close the database; let the next
@@ -219,6 +219,11 @@ class Queue:
         self.force_place = self.dirty = True  # placed again at once, by the new rules
         if before.keep_finished_days != self.q.keep_finished_days:
             self.pruner.poke()
+
+    def _ref(self, job_id: int) -> str:
+        """The job as users name it (17, 17_5), from its number."""
+        job = self.store.get(job_id)
+        return J.ref(job) if job is not None else str(job_id)
 
     def _say(self, fmt: str, *args: object) -> None:
         text = fmt % args if args else fmt
@@ -310,7 +315,7 @@ class Queue:
             # Only requests changed the queue (a burst of submits): place again at most every PLACE_GAP.
             soon = self.placed_at + PLACE_GAP
             self.next_wake = soon if self.next_wake is None else min(soon, self.next_wake)
-            return _without_claimed(decision, self.plan.claimed) if self.plan else decision
+            return _without_claimed(decision, self.plan.claimed, self._ref) if self.plan else decision
         if force or inputs != self.placed_on:
             self.force_place = False
             known = self.store.all()
@@ -326,7 +331,7 @@ class Queue:
             self.view = View(self.plan.waiting, dict(index_of), placed_up_to=last, gpus=len(uuids))
         wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
         self.next_wake = min(wakes) if wakes else None
-        return _without_claimed(decision, self.plan.claimed)
+        return _without_claimed(decision, self.plan.claimed, self._ref)
 
     def report(self) -> QueueReport:
         """For the outputs: the jobs in each state, the runs going on, and those that began or ended
@@ -361,7 +366,7 @@ class Queue:
         is stopped at once, before the rest of /proc is read, as a workload is."""
         urgent = placement.stops(self._running(), self._views(decision, uuids), now, self.wall())
         for p in urgent.preempt_jobs:
-            log.debug("stopping job %d before reading the rest of /proc", p.job)
+            log.debug("stopping job %s before reading the rest of /proc", self._ref(p.job))
         self._preempt(urgent, index_of, now)
 
     def _running(self) -> List[Job]:
@@ -394,7 +399,7 @@ class Queue:
             why = f"{words.gpu(p.gpu, index_of)} busy: {words.reason(p.reason) if p.reason else 'unsure'}"
             self.supervisor.stop(job_key(p.job), why, now, urgent=True)
             whys.append(why)
-            self._say("queue: %s; stopping job %d", why, p.job)
+            self._say("queue: %s; stopping job %s", why, self._ref(p.job))
         if not whys:
             return
         wall = self.wall()
@@ -406,7 +411,8 @@ class Queue:
             if job is not None:
                 again = f"requeued (restart {job.restarts + 1})" if job.requeue else "not requeued"
                 at = time.strftime(_CLOCK, time.localtime(wall))
-                self.note(job, f"gpu-mon: job {job.id} preempted at {at}: {job.preempted_reason}; {again}")
+                why = job.preempted_reason
+                self.note(job, f"gpu-mon: job {J.ref(job)} preempted at {at}: {why}; {again}")
 
     def _reconcile(self, now: float) -> None:
         """Jobs marked stopping (cancel, time limit, shutdown) whose workload has not been told yet."""
@@ -418,7 +424,7 @@ class Queue:
             if w is not None and not w.stopping:
                 why = {J.STOP_CANCEL: "cancelled", J.STOP_TIMEOUT: "time limit"}.get(job.reason, job.reason)
                 self.supervisor.stop(job_key(job.id), why, now)
-                self._say("queue: job %d (%s): %s; stopping it", job.id, sanitize(job.user), why)
+                self._say("queue: job %s (%s): %s; stopping it", J.ref(job), sanitize(job.user), why)
                 self.note(job, _stop_line(job, self.wall()))
             elif w is None and job.id not in self.orphans:
                 gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
@@ -429,10 +435,11 @@ class Queue:
 
     def _dependencies(self, plan: placement.Placement, wall: float) -> None:
         for c in plan.cancels:
-            what = f"job {c.after} {c.after_state}" if c.after_state else f"job {c.after} does not exist"
+            dep = self._ref(c.after)
+            what = f"job {dep} {c.after_state}" if c.after_state else f"job {dep} does not exist"
             reason = f"after {what}"
             if self.store.change(c.job, lambda j, r=reason: _cancel_queued(j, wall, r)) is not None:
-                log.info("queue: job %d cancelled: after %s", c.job, what)
+                log.info("queue: job %s cancelled: after %s", self._ref(c.job), what)
 
         if plan.time_up:
             self.dirty = True  # stop them in the next round (it comes at once)
@@ -449,7 +456,7 @@ class Queue:
             w = self.supervisor.workloads.get(p.workload)
             if w is None or w.stopping:
                 continue
-            why = f"job {p.job} takes {words.gpu(p.gpu, index_of)}"
+            why = f"job {self._ref(p.job)} takes {words.gpu(p.gpu, index_of)}"
             self.supervisor.stop(p.workload, why, now)
             log.info("queue: %s; stopping %s[%d]", why, w.label, w.pid)
 
@@ -464,7 +471,7 @@ class Queue:
             w = self.supervisor.launch(
                 Instance(key=job_key(job.id), process=job_key(job.id), gpus=s.gpus),
                 self._launch(job, s.gpus),
-                f"job {job.id}",
+                f"job {J.ref(job)}",
                 now,
                 StopRule(job.stop_signal, job.grace, job.grace, main_only=job.stop_main_only),
             )
@@ -474,15 +481,15 @@ class Queue:
         except Exception as err:  # (what one job holds: that job fails, and every other goes on)
             if job_key(job.id) in self.supervisor.workloads:
                 raise  # (it runs: what failed is not known, and gpu-mon stops every workload)
-            log.exception("queue: job %d: internal error starting it (please report it)", job.id)
+            log.exception("queue: job %s: internal error starting it (please report it)", J.ref(job))
             self._not_started(job, f"cannot start: {type(err).__name__}: {sanitize(str(err))}", wall)
             return
         stat = read_stat(w.pid)
         ticks = stat.start_ticks if stat else 0
         self.store.change(job.id, lambda j: dataclasses.replace(j, leader_pid=w.pid, leader_ticks=ticks))
         self._say(
-            "queue: starting job %d[%d] of %s on %s (restart %d): %s",
-            job.id,
+            "queue: starting job %s[%d] of %s on %s (restart %d): %s",
+            J.ref(job),
             w.pid,
             sanitize(job.user),
             gpus,
@@ -491,7 +498,7 @@ class Queue:
         )
 
     def _not_started(self, job: Job, detail: str, wall: float) -> None:
-        log.error("queue: cannot start job %d: %s", job.id, detail)
+        log.error("queue: cannot start job %s: %s", J.ref(job), detail)
         self.store.change(job.id, lambda j: dataclasses.replace(j, state=J.FAILED, ended=wall, reason=detail))
 
     def _ended(self, wall: float) -> None:
@@ -527,8 +534,8 @@ class Queue:
         self.force_place = True
         after = f" (restart {new.restarts} next)" if new.state == J.QUEUED else ""
         self._say(
-            "queue: job %d of %s %s: %s%s",
-            job.id,
+            "queue: job %s of %s %s: %s%s",
+            J.ref(job),
             sanitize(job.user),
             words.exit_status(ex.returncode, ex.signal),
             new.state if new.state != J.QUEUED else "back in the queue",
@@ -553,8 +560,8 @@ class Queue:
         env, dropped = transient.environment(direct.env)
         if dropped:
             names = sanitize(", ".join(sorted(dropped)), limit=200)
-            log.info("queue: job %d: not passed to its unit (systemd refuses them): %s", job.id, names)
-        what = f"gpu-mon job {job.id} of {job.user} (restart {job.restarts})"
+            log.info("queue: job %s: not passed to its unit (systemd refuses them): %s", J.ref(job), names)
+        what = f"gpu-mon job {J.ref(job)} of {job.user} (restart {job.restarts})"
         try:
             env_path = transient.env_file(self.run_dir, name, env)
         except OSError as err:  # (never on systemd-run's command line: anyone may read that)
@@ -582,7 +589,7 @@ class Queue:
                 job_id, lambda j, w=wall: J.run_lost(j, w) if j.state == J.STOPPING else None
             )
             if new is not None:
-                log.info("queue: job %d: the earlier gpu-mon's processes are gone: %s", job_id, new.state)
+                log.info("queue: job %s: the earlier gpu-mon's processes are gone: %s", J.ref(new), new.state)
         if self.orphans:
             self.dirty = True  # look again next round
 
@@ -641,11 +648,11 @@ def _stop_line(job: Job, wall: float) -> str:
     at = time.strftime(_CLOCK, time.localtime(wall))
     if job.reason == J.STOP_CANCEL:
         by = f" by {job.stopped_by}" if job.stopped_by else ""
-        return f"gpu-mon: job {job.id} cancelled at {at}{by}"
+        return f"gpu-mon: job {J.ref(job)} cancelled at {at}{by}"
     if job.reason == J.STOP_TIMEOUT:
         limit = f" ({words.duration(job.time_limit)})" if job.time_limit else ""
-        return f"gpu-mon: job {job.id} reached its time limit{limit} at {at}; stopping it"
-    return f"gpu-mon: job {job.id} stopped at {at}: {job.reason}"
+        return f"gpu-mon: job {J.ref(job)} reached its time limit{limit} at {at}; stopping it"
+    return f"gpu-mon: job {J.ref(job)} stopped at {at}: {job.reason}"
 
 
 def note(job: Job, text: str) -> bool:
@@ -656,20 +663,21 @@ def note(job: Job, text: str) -> bool:
     try:
         where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     except ValueError as err:  # (a NUL or a lone surrogate in its --output: an older gpu-mon let it in)
-        log.info("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err)
+        log.info("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err)
         return False
     except OSError as err:
-        log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
+        log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err.strerror)
         return False
     try:
         st = os.fstat(where)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != job.uid or not st.st_mode & stat.S_IWUSR:
-            log.info("queue: job %d: %s is not a file of its user: no line written", job.id, sanitize(path))
+            named = sanitize(path)
+            log.info("queue: job %s: %s is not a file of its user: no line written", J.ref(job), named)
             return False
         # The inode just checked, opened again (not the path: it may have changed since)
         fd = os.open(f"/proc/self/fd/{where}", os.O_RDWR | os.O_APPEND | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as err:
-        log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
+        log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err.strerror)
         return False
     finally:
         os.close(where)
@@ -679,13 +687,13 @@ def note(job: Job, text: str) -> bool:
         os.write(fd, apart + (sanitize(text, limit=1000) + "\n").encode("utf-8", "backslashreplace"))
         return True
     except OSError as err:
-        log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err.strerror)
+        log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err.strerror)
         return False
     finally:
         os.close(fd)
 
 
-def _without_claimed(decision: Decision, claimed: Dict[str, int]) -> Decision:
+def _without_claimed(decision: Decision, claimed: Dict[str, int], ref: Callable[[int], str]) -> Decision:
     """The policy's starts, less those on GPUs that jobs hold or are about to take."""
     if not claimed:
         return decision
@@ -694,7 +702,7 @@ def _without_claimed(decision: Decision, claimed: Dict[str, int]) -> Decision:
         if isinstance(a, Start):
             taken = [u for u in a.instance.gpus if u in claimed]
             if taken:
-                waiting[a.instance.key] = Wait("taken", gpu=taken[0], by=f"job {claimed[taken[0]]}")
+                waiting[a.instance.key] = Wait("taken", gpu=taken[0], by=f"job {ref(claimed[taken[0]])}")
                 continue
         actions.append(a)
     return dataclasses.replace(decision, actions=tuple(actions), waiting=waiting)

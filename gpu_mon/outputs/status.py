@@ -15,6 +15,7 @@ from gpu_mon.engine.decisions import Decision, Instance
 from gpu_mon.engine.idleholders import IdleHolder
 from gpu_mon.engine.loop import RoundReport
 from gpu_mon.engine.policy import Plan, ignored
+from gpu_mon.queue import jobs as J
 from gpu_mon.queue import words as queue_words
 from gpu_mon.queue.runs import JobRun, QueueReport
 from gpu_mon.slurm.view import SlurmReport
@@ -106,6 +107,8 @@ def _job(run: JobRun) -> dict:
         "gpus": list(run.gpus),
         "started_wall": round(run.start),
         "restarts": run.restart,
+        "array_id": run.array_id or None,
+        "array_index": run.array_index if run.array_id else None,
     }
 
 
@@ -396,7 +399,8 @@ def job_words(job: dict, now: float) -> str:
     up = words.duration(now - job["started_wall"]) if job.get("started_wall") is not None else "?"
     restart = f", restart {job['restarts']}" if job.get("restarts") else ""
     who = f"{sanitize(str(job['user']))} {sanitize(str(job['name']))}"
-    return f"job {job['id']} {who} ({job['state']} {up}{restart})"
+    named = J.shown(job["id"], job.get("array_id"), job.get("array_index"))
+    return f"job {named} {who} ({job['state']} {up}{restart})"
 
 
 def with_queue_down(doc: dict, why: str, next_try_wall: float) -> dict:

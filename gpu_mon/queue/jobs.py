@@ -71,8 +71,15 @@ class Job:
 
 
 def ref(job: Job) -> str:
-    """How users name it: `17`, or `17_5` for an array's element."""
-    return f"{job.array_id}_{job.array_index}" if job.array_id else str(job.id)
+    """How users name it: `17`, or `17_5` for an array's element (never its own number: an element's is
+    its array's, or another job's to a reader). Every place a person reads names a job so."""
+    return shown(job.id, job.array_id, job.array_index)
+
+
+def shown(job_id: int, array_id: Optional[int], array_index: Optional[int]) -> str:
+    """ref() from a job's fields as `jobs --json` and `status --json` give them (array_id null or 0: not
+    an element)."""
+    return f"{array_id}_{array_index}" if array_id else str(job_id)
 
 
 def element(base: Job, job_id: int, index: int) -> Job:

@@ -89,9 +89,9 @@ class Waiting:
     kind: str
     gpu: str = ""
     reason: Optional[Reason] = None
-    by_job: int = 0
+    by_job: str = ""  # (as users name jobs: 17, 17_5)
     by_workload: str = ""
-    after: int = 0
+    after: str = ""
     count: int = 0
     limit: int = 0
     until: Optional[float] = None
@@ -192,10 +192,10 @@ def _dependency(
             return CancelJob(job.id, end.failed.id, end.failed.state), None
     for dep_id in job.after:
         if by_id[dep_id].state != J.DONE:
-            return None, Waiting("after", after=dep_id)
+            return None, Waiting("after", after=J.ref(by_id[dep_id]))
     for array_id in job.after_arrays:
         if arrays[array_id].not_done is not None:
-            return None, Waiting("after", after=array_id)
+            return None, Waiting("after", after=str(array_id))
     return None, None
 
 
@@ -231,6 +231,7 @@ class _Placer:
         self.gpus, self.q, self.delay, self.users = list(gpus), q, delay, users
         self.now, self.wall = now, wall  # monotonic (the GPUs' free_since), wall-clock (the jobs' times)
         self.claimed: Dict[str, int] = {}
+        self.by_id: Dict[int, Job] = {}  # (to name a claimant)
         self.starts: List[StartJob] = []
         self.preempt_workloads: List[PreemptWorkload] = []
         self.wakes: List[float] = []
@@ -300,7 +301,7 @@ class _Placer:
                 return Waiting("busy", gpu=g.uuid, reason=g.reason)
         for g in self.gpus:
             if g.uuid in self.claimed:
-                return Waiting("taken", gpu=g.uuid, by_job=self.claimed[g.uuid])
+                return Waiting("taken", gpu=g.uuid, by_job=J.ref(self.by_id[self.claimed[g.uuid]]))
             if g.workload:
                 return Waiting("taken", gpu=g.uuid, by_workload=g.workload)
         return Waiting("ahead", count=0)
@@ -347,6 +348,7 @@ def place(
     _running(jobs, views, now, wall, out)
     users = _users(jobs, wall, q.fair_window_hours * 3600)
     placer = _Placer(gpus, q, start_delay, now, wall, users)
+    placer.by_id = by_id
     for j in jobs:
         if j.state in J.LIVE:
             for u in j.gpus:

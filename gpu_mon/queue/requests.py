@@ -16,7 +16,7 @@ import os
 import pwd
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
@@ -301,8 +301,7 @@ class Requests:
         wanted = set(J.STATES if states is None else states if isinstance(states, list) else ())
         if not wanted or not all(isinstance(s, str) for s in wanted):
             raise Bad("states must be a list of job states")
-        ids = [b"%d" % j.id for j in self.store.all() if j.uid == peer.uid and j.state in wanted]
-        return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(ids))
+        return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(_named_ids(self.store.all(), peer.uid, wanted)))
 
     def _encoded(self, j: Job, view: View, now: float) -> bytes:
         reason = reason_of(j, view, now)
@@ -634,3 +633,18 @@ def _seconds(req: dict, key: str, default: float, what: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 366 * 86400:
         raise Bad(f"{what} must be a number of seconds (at most a year)")
     return float(value)
+
+
+def _named_ids(jobs: Iterable[Job], uid: int, wanted: Set[str]) -> List[bytes]:
+    """As users name them, JSON strings: `"17"`; an array's elements `"22_0"`, ... and the array once, `"22"`
+    (before its first element listed)."""
+    ids: List[bytes] = []
+    arrays: Set[int] = set()
+    for j in jobs:
+        if j.uid != uid or j.state not in wanted:
+            continue
+        if j.array_id and j.array_id not in arrays:
+            arrays.add(j.array_id)
+            ids.append(b'"%d"' % j.array_id)
+        ids.append(b'"%s"' % J.ref(j).encode())
+    return ids

@@ -39,6 +39,8 @@ class JobRun:
     end: Optional[float] = None
     how: str = J.RUNNING  # one of HOW once it ended
     earlier: bool = False  # it began under an earlier daemon
+    array_id: int = 0  # an array's element: its array and index (J.shown names it `17_5`)
+    array_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ def _run(job: Job, earlier: bool) -> JobRun:
         restart=job.restarts,
         state=job.state,
         earlier=earlier,
+        array_id=job.array_id,
+        array_index=job.array_index,
     )
 
 
