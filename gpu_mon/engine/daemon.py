@@ -441,7 +441,10 @@ class Daemon:
         if plan is None or plan.problems:
             return None
         rules = {u: plan.rules[u] for u in uuids if u in plan.rules}
-        return lambda h: not h.ours and any(u in rules and not policy.ignored(h, rules[u]) for u in h.gpus)
+        return lambda h: (
+            not h.ours
+            and any(u in rules and not h.ours_on(u) and not policy.ignored(h, rules[u]) for u in h.gpus)
+        )
 
     def _yield_first(self, now: float) -> None:
         """The urgent stops a foreign open calls for, sent on what the search has read (confirmed by the look

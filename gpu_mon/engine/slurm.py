@@ -221,7 +221,7 @@ class Slurm:
         for h in (*snap.holders, *snap.nvml_procs):
             if h.ours:
                 continue
-            gpus = frozenset(u for u in h.gpus if not _ignored(h, rules.get(u)))
+            gpus = frozenset(u for u in h.gpus if not h.ours_on(u) and not _ignored(h, rules.get(u)))
             if gpus:
                 old = merged.get(h.pid)
                 merged[h.pid] = (old[0] if old else h, gpus | (old[1] if old else frozenset()))

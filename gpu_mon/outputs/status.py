@@ -20,8 +20,10 @@ from gpu_mon.queue.runs import JobRun, QueueReport
 from gpu_mon.slurm.view import SlurmReport
 
 
-def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
-    out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": h.ours, "ignored": ignored and not h.ours}
+def _holder(h: Holder, uuid: Optional[str], ignored: bool, extra: Optional[dict] = None) -> dict:
+    """A holder of GPU `uuid`: ours only where its workload was given that GPU."""
+    ours = h.ours_on(uuid)
+    out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": ours, "ignored": ignored and not ours}
     out.update(extra or {})
     return out
 
@@ -196,7 +198,9 @@ class _Document:
             "reasons": [words.reason(r) for r in verdict.reasons] if verdict else ["not evaluated"],
             "free_since_wall": self.since(free) if free is not None else None,
             "holders": [
-                _holder(h, bool(rules and ignored(h, rules))) for h in self.snap.holders if uuid in h.gpus
+                _holder(h, uuid, bool(rules and ignored(h, rules)))
+                for h in self.snap.holders
+                if uuid in h.gpus
             ],
             "nvml_processes": self._nvml(gpu, rules),
         }
@@ -212,7 +216,7 @@ class _Document:
             }
             h = nvml.get(p.pid)
             if h is not None:
-                out.append(_holder(h, bool(rules and ignored(h, rules)), extra))
+                out.append(_holder(h, gpu.uuid, bool(rules and ignored(h, rules)), extra))
             else:
                 out.append({"pid": p.pid, "user": "?", "name": "?", "ours": False, "ignored": False, **extra})
         return out

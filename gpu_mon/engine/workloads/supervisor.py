@@ -600,13 +600,14 @@ class Supervisor:
         out, self.exits = tuple(self.exits), []
         return out
 
-    def sessions(self) -> Dict[int, str]:
-        """Session ids of our workloads (= leader pids) -> instance key; and the processes in the transient
-        units that run jobs (not in a leader's session, nor its descendants)."""
-        out = {w.pid: k for k, w in self.workloads.items()}
-        for k, w in self.workloads.items():
+    def sessions(self) -> Dict[int, Tuple[str, ...]]:
+        """Session ids of our workloads (= leader pids), and the processes in the transient units that run
+        jobs (not in a leader's session, nor its descendants) -> the GPUs (UUIDs) that workload was given:
+        a process of it is ours on those GPUs only (observe.py)."""
+        out = {w.pid: w.instance.gpus for w in self.workloads.values()}
+        for w in self.workloads.values():
             if w.unit is not None:
-                out.update((pid, k) for pid in w.unit.pids())
+                out.update((pid, w.instance.gpus) for pid in w.unit.pids())
         return out
 
 
