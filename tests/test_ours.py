@@ -1,6 +1,7 @@
 """What is "ours": a workload's (or a queue job's) process, on the GPUs that workload was given, and nothing
-else. Its hold on another GPU is someone else's use of that GPU; a process in no workload (a hook's setsid'd
-child, reparented to the daemon, a child subreaper) is ours on none."""
+else. Its use of another GPU (a context there) is someone else's use of that GPU; its hold of that GPU's
+node alone is not use (an NVML library in a job, as wandb's, opens every GPU's node). A process in no
+workload (a hook's setsid'd child, reparented to the daemon, a child subreaper) is ours on none."""
 
 from __future__ import annotations
 
@@ -83,14 +84,22 @@ def test_a_workload_given_gpu_0_that_opens_gpu_1_makes_gpu_1_busy_and_ours_there
     d.wait_running("b")
     trigger.touch()
     pid = int(wait_for(lambda: next(iter(opened(report)), 0), 20, "a's process opened GPU 1's node"))  # type: ignore[arg-type]
-    # Before: a's process counted as ours on every GPU, and b ran on beside it.
-    d.wait_log(rf"\[{pid}\] holds .*nvidia1; stopping b", timeout=10)
+    # The node alone is not use of GPU 1 (an NVML library opens every GPU's node): b runs on, and a's
+    # process is not ours there.
+    wait_for(lambda: pid in holders(d, 1), 20, "a's process seen holding GPU 1")
+    d.poll_passed()
+    assert d.workload("b")["state"] == "running" and holders(d, 1)[pid]["ours"] is False
+    assert "(ours elsewhere)" in device_holders_line(d, 1)
+    # A context of it on GPU 1 is. Before: a's process counted as ours on every GPU, and b ran on.
+    sim.set(1, processes=[{"pid": pid, "used_memory_mib": 900}], memory_used_mib=900)
+    d.wait_log(rf"\[{pid}\].*; stopping b", timeout=10)
     wait_for(lambda: d.workload("b").get("state") not in ("running", "stopping"), 20, "b stopped")
     d.poll_passed()
     assert d.workload("b")["state"] not in ("running", "stopping", "starting"), d.workload("b")
     assert d.workload("a")["state"] == "running"
     g1 = gpu_state(d, 1)
     assert g1["busy"] and holders(d, 1)[pid]["ours"] is False, g1
+    assert [p for p in g1["nvml_processes"] if p["pid"] == pid and not p["ours"]], g1
     assert "(ours)" not in device_holders_line(d, 1)
     assert pid not in holders(d, 0)
 
@@ -116,10 +125,11 @@ def test_a_process_of_the_daemon_in_no_workload_is_not_ours(tmp_path, sim):
         observer.scan("full", {})
         (h,) = [h for h in observer.holders if h.pid == child.pid]
         assert not h.ours and not h.ours_on(sim.uuid(0)) and not h.ours_on(sim.uuid(1))  # before: ours
+        assert not h.in_workload
         # now as the leader of a workload given GPU 0: ours there, someone else's on GPU 1
         observer.scan("full", {child.pid: (sim.uuid(0),)}, every=True)
         (h,) = [h for h in observer.holders if h.pid == child.pid]
-        assert not h.ours and h.ours_on(sim.uuid(0)) and not h.ours_on(sim.uuid(1))
+        assert not h.ours and h.ours_on(sim.uuid(0)) and not h.ours_on(sim.uuid(1)) and h.in_workload
         observer.scan("full", {child.pid: (sim.uuid(0), sim.uuid(1))}, every=True)
         (h,) = [h for h in observer.holders if h.pid == child.pid]
         assert h.ours and h.ours_on(sim.uuid(1))
@@ -167,6 +177,7 @@ def test_a_job_given_one_gpu_that_opens_the_other_keeps_another_users_job_off_it
     lab.wait_state(lab.alice, a, "running")
     pid, path = wait_for(lambda: next(iter(opened(report).items()), None), 20, "the job opened the other GPU")  # type: ignore[misc]
     other = 0 if path.endswith("nvidia0") else 1
+    sim.set(other, processes=[{"pid": pid, "used_memory_mib": 900}], memory_used_mib=900)  # its context there
     d.poll_passed()
     b = lab.submit(lab.bob, "--", PY, str(lab.job), "forever", lab.marker)
     # Before: alice's process counted as ours on GPU `other` too, and bob's job started there.

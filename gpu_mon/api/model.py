@@ -72,10 +72,14 @@ class Holder:
         str, ...
     ] = ()  # paths of the GPU nodes it opened, as it named them (its own mount namespace)
     monitor: bool = False  # a built-in monitor (nvidia-smi...) run from a root-owned executable
-    # The GPUs of `gpus` it holds as ours: those its workload was given. Its hold on any other GPU is
-    # someone else's use (a job given GPU 0 that opens GPU 1 makes GPU 1 busy), and a process in no
+    # The GPUs of `gpus` it holds as ours: those its workload was given. Its use of any other GPU is
+    # someone else's (a job given GPU 0 with a context on GPU 1 makes GPU 1 busy), and a process in no
     # workload (a hook's orphan, reparented to the daemon) is ours on none.
     ours_gpus: frozenset = frozenset()
+    # A process of one of our workloads (or gpu_mon itself), whatever GPUs it holds: on a GPU it was not
+    # given, its hold of the node alone is not use (an NVML library in a job opens every GPU's node), a
+    # context there is (see policy._holder_reasons)
+    in_workload: bool = False
 
     def ours_on(self, uuid: Optional[str]) -> bool:
         """Whether its hold on this GPU is ours (a workload's, on a GPU that workload was given)."""

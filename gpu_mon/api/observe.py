@@ -237,12 +237,12 @@ class Observer:
                 self._not_descendants.add(key)
             return h
         mine = h.gpus if given is _EVERY_GPU else h.gpus.intersection(given)
-        if not mine:
-            return h  # a workload's process on GPUs it was not given: someone else's use there
         now = time.monotonic()
         for uuid in mine:
             self._ours_seen[(h.pid, uuid)] = now
-        return dataclasses.replace(h, ours=len(mine) == len(h.gpus), ours_gpus=frozenset(mine))
+        # (on GPUs it was not given, a workload's process is not ours: its use there is someone else's)
+        ours = len(mine) == len(h.gpus)
+        return dataclasses.replace(h, ours=ours, ours_gpus=frozenset(mine), in_workload=True)
 
     def nvml_processes(self, ours: Given) -> Tuple[Holder, ...]:
         """Owners of the processes NVML lists (pid namespaces aside, these are host pids)."""

@@ -21,9 +21,12 @@ from gpu_mon.slurm.view import SlurmReport
 
 
 def _holder(h: Holder, uuid: Optional[str], ignored: bool, extra: Optional[dict] = None) -> dict:
-    """A holder of GPU `uuid`: ours only where its workload was given that GPU."""
+    """A holder of GPU `uuid`: ours only where its workload was given that GPU (`elsewhere`: a process of
+    a workload given other GPUs)."""
     ours = h.ours_on(uuid)
     out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": ours, "ignored": ignored and not ours}
+    if h.in_workload and not ours:
+        out["elsewhere"] = True
     out.update(extra or {})
     return out
 
@@ -268,6 +271,7 @@ class _Document:
 
 def _who(h: dict) -> str:
     tag = " (ours)" if h.get("ours") else " (ignored)" if h.get("ignored") else ""
+    tag = " (ours elsewhere)" if h.get("elsewhere") and not tag else tag
     mem = f" {h['used_memory_mib']} MiB" if h.get("used_memory_mib") is not None else ""
     util = f" {h['utilization_pct']}%" if h.get("utilization_pct") is not None else ""
     return f"{sanitize(str(h['user']))} {sanitize(str(h['name']))}[{h['pid']}]{mem}{util}{tag}"
