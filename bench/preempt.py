@@ -392,7 +392,9 @@ def main() -> int:
         old = extract_ref(ROOT, a.baseline, work / "baseline-code")
         # As shipped at that version: history on, in the run's directory (never the machine's own file);
         # a version older than [history] gets no such section.
-        knows = '"history"' in (Path(old) / "gpu_mon" / "config.py").read_text(errors="replace")
+        config = Path(old) / "gpu_mon" / "config"  # (a module, later a package)
+        files = [config.with_suffix(".py")] if config.with_suffix(".py").exists() else config.glob("*.py")
+        knows = any('"history"' in f.read_text(errors="replace") for f in files)
         modes.append((f"the same at {a.baseline} (baseline)", "baseline", {}, old, True if knows else None))
     modes += [
         (
