@@ -66,11 +66,24 @@ class Holder:
     user: str
     sid: int
     gpus: frozenset  # UUIDs
-    ours: bool = False  # in the session (or process tree) of a workload gpu_mon started, or gpu_mon itself
+    # gpu_mon itself, or a process of a workload gpu_mon started holding only GPUs that workload was given
+    ours: bool = False
     nodes: Tuple[
         str, ...
     ] = ()  # paths of the GPU nodes it opened, as it named them (its own mount namespace)
     monitor: bool = False  # a built-in monitor (nvidia-smi...) run from a root-owned executable
+    # The GPUs of `gpus` it holds as ours: those its workload was given. Its use of any other GPU is
+    # someone else's (a job given GPU 0 with a context on GPU 1 makes GPU 1 busy), and a process in no
+    # workload (a hook's orphan, reparented to the daemon) is ours on none.
+    ours_gpus: frozenset = frozenset()
+    # A process of one of our workloads (or gpu_mon itself), whatever GPUs it holds: on a GPU it was not
+    # given, its hold of the node alone is not use (an NVML library in a job opens every GPU's node), a
+    # context there is (see policy._holder_reasons)
+    in_workload: bool = False
+
+    def ours_on(self, uuid: Optional[str]) -> bool:
+        """Whether its hold on this GPU is ours (a workload's, on a GPU that workload was given)."""
+        return self.ours or uuid in self.ours_gpus
 
     @property
     def label(self) -> str:

@@ -8,16 +8,22 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable, Deque, Dict, Iterable, Optional, Protocol, Set, Tuple
+import types
+from typing import Callable, Collection, Deque, Dict, Iterable, Mapping, Optional, Protocol, Set, Tuple
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api import ttys as sessions
 from gpu_mon.api.model import GpuReading, Holder, Snapshot, TtyUser
 
 log = logging.getLogger(__name__)
+# What the daemon tells a scan about its workloads: the session id of each (its leader's pid), and each
+# process of a transient unit that runs one, -> the UUIDs of the GPUs that workload was given.
+Given = Mapping[int, Collection[str]]
 _OURS_MEMORY_SECONDS = 30.0
 _MAX_EXTRA_NODES = 64
 _MAX_NOT_DESCENDANTS = 4096
+_NO_WORKLOADS: Given = types.MappingProxyType({})
+_EVERY_GPU: frozenset = frozenset(["(every GPU)"])  # what gpu_mon itself is given (compared by identity)
 
 
 class Backend(Protocol):
@@ -61,9 +67,12 @@ class Observer:
         self._denied_logged: Set[int] = set()
         self._starts: Dict[int, int] = {}
         self._ancestors: Set[int] = set()
-        self._ours_seen: Dict[int, float] = {}  # pid -> when it was last seen as ours (monotonic)
-        # (pid, start) of processes found not to descend from gpu-mon or its workloads: that never changes
-        # (a process is only ever reparented to one of its ancestors), so their ancestry is walked once.
+        # (pid, uuid) -> when it was last seen as ours on that GPU (monotonic)
+        self._ours_seen: Dict[Tuple[int, str], float] = {}
+        # (pid, start) of processes found not to be in one of our workloads (not its leader's descendant,
+        # nor in its session or unit): that never changes (a process is only ever reparented to one of its
+        # ancestors, and a new workload cannot be the ancestor of an older process), so their ancestry is
+        # walked once.
         self._not_descendants: Set[Tuple[int, int]] = set()
 
     def take_scan_times(self) -> Tuple[Tuple[str, float], ...]:
@@ -112,7 +121,7 @@ class Observer:
     def scan(
         self,
         mode: str,
-        sessions_of_ours: Iterable[int] = (),
+        given: Given = _NO_WORKLOADS,
         pids: Iterable[int] = (),
         enough: Optional[Callable[[Holder], bool]] = None,
         pause: Optional[Callable[[], bool]] = None,
@@ -128,9 +137,11 @@ class Observer:
         'full', 'fds' and 'changed' ask `pause` every few processes and stop when it answers True:
         `scan_paused` is then set, the holders are those found so far and the rest as last read, and the
         same call with a `pause` goes on (a full scan from where it stopped, `changed` from the start).
-        'first' reads the processes in `first` (the openers the kernel named) before all others."""
+        'first' reads the processes in `first` (the openers the kernel named) before all others.
+
+        `given`: our workloads' sessions and units' processes -> the GPUs each was given (see _classify)."""
         began = time.perf_counter()
-        ours = set(sessions_of_ours)
+        ours = given
         if mode in ("full", "fds"):
             result = self.scanner.full(maps=mode == "full", every=every, pause=pause)
         elif mode == "pids":
@@ -183,7 +194,7 @@ class Observer:
         """Whether a full scan paused and has not finished since."""
         return self.scanner.full_paused()
 
-    def _accepts(self, enough: Callable[[Holder], bool], ours: Set[int]) -> Callable[[int, frozenset], bool]:
+    def _accepts(self, enough: Callable[[Holder], bool], ours: Given) -> Callable[[int, frozenset], bool]:
         """`enough` for the scanner: a holder described and told apart as ours or not."""
 
         def accepts(pid: int, gpus: frozenset) -> bool:
@@ -192,26 +203,48 @@ class Observer:
 
         return accepts
 
-    def is_ours(self, pid: int, sid: int, ours: Set[int]) -> bool:
-        """In the session of one of our workloads, or a descendant of gpu_mon (which covers escapees)."""
-        if pid == self.own_pid or sid in ours or pid in ours:
-            return True
-        return any(a == self.own_pid or a in ours for a in procfs.ancestors(pid, self.proc))
+    def workload_gpus(self, pid: int, sid: int, ours: Given) -> Optional[Collection[str]]:
+        """The GPUs given to the workload this process is in (its leader's session or descendants, or its
+        unit), or None when it is in none. gpu_mon itself is given every GPU. A descendant of gpu_mon that
+        is in no workload (a hook's setsid'd child, reparented to the daemon, a child subreaper) is not
+        ours: the walk up stops at the daemon."""
+        if pid == self.own_pid:
+            return _EVERY_GPU
+        given = ours.get(pid)
+        if given is None:
+            given = ours.get(sid)
+        if given is not None:
+            return given
+        for a in procfs.ancestors(pid, self.proc):
+            if a == self.own_pid:
+                return None  # (every leader is our child: a walk that reaches us passed none)
+            given = ours.get(a)
+            if given is not None:
+                return given
+        return None
 
-    def _classify(self, h: Holder, ours: Set[int]) -> Holder:
+    def _classify(self, h: Holder, ours: Given) -> Holder:
+        """The holder, ours on the GPUs its workload was given (cost: dict look-ups, and the walk up the
+        process tree of a process not seen before)."""
         key = (h.pid, h.start_ticks)
         if key in self._not_descendants and h.sid not in ours and h.pid not in ours:
             return h  # (a new workload cannot be the ancestor of a process older than itself)
-        if self.is_ours(h.pid, h.sid, ours):
-            self._ours_seen[h.pid] = time.monotonic()
-            return Holder(**{**h.__dict__, "ours": True})
-        if h.start_ticks:
-            if len(self._not_descendants) >= _MAX_NOT_DESCENDANTS:
-                self._not_descendants.clear()
-            self._not_descendants.add(key)
-        return h
+        given = self.workload_gpus(h.pid, h.sid, ours)
+        if given is None:
+            if h.start_ticks:
+                if len(self._not_descendants) >= _MAX_NOT_DESCENDANTS:
+                    self._not_descendants.clear()
+                self._not_descendants.add(key)
+            return h
+        mine = h.gpus if given is _EVERY_GPU else h.gpus.intersection(given)
+        now = time.monotonic()
+        for uuid in mine:
+            self._ours_seen[(h.pid, uuid)] = now
+        # (on GPUs it was not given, a workload's process is not ours: its use there is someone else's)
+        ours = len(mine) == len(h.gpus)
+        return dataclasses.replace(h, ours=ours, ours_gpus=frozenset(mine), in_workload=True)
 
-    def nvml_processes(self, ours: Set[int]) -> Tuple[Holder, ...]:
+    def nvml_processes(self, ours: Given) -> Tuple[Holder, ...]:
         """Owners of the processes NVML lists (pid namespaces aside, these are host pids)."""
         out = []
         now = time.monotonic()
@@ -222,7 +255,7 @@ class Observer:
                 h = holders.describe(p.pid, gpus, self.proc)
                 if h is not None:
                     out.append(self._classify(h, ours))
-                elif p.pid in self._ours_seen:
+                elif (p.pid, gpu.uuid) in self._ours_seen:
                     # NVML goes on listing a process for about a second after it exited (seen on an H100,
                     # driver 580) while the driver tears its context down: one of ours stays ours.
                     out.append(
@@ -244,16 +277,16 @@ class Observer:
         """Terminal users now."""
         return sessions.scan_ttys(patterns, self.wall())
 
-    def snapshot(self, now: float, ours: Iterable[int], tty_patterns: Optional[Iterable[str]]) -> Snapshot:
-        """The Snapshot of what was last read and scanned (the supervisor's parts are added by the daemon)."""
-        ours_set = set(ours)
+    def snapshot(self, now: float, ours: Given, tty_patterns: Optional[Iterable[str]]) -> Snapshot:
+        """The Snapshot of what was last read and scanned (the supervisor's parts are added by the daemon);
+        `ours` as scan's `given`."""
         return Snapshot(
             now=now,
             reading=self.reading,
             holders=self.holders,
             denied=holders.describe_denied(self.denied_pids, self.proc),
             ttys=self.ttys(tty_patterns) if tty_patterns is not None else (),
-            nvml_procs=self.nvml_processes(ours_set),
+            nvml_procs=self.nvml_processes(ours),
             node_errors=tuple(sorted(self.node_errors.items())),
         )
 
@@ -301,4 +334,4 @@ def look(backend: Backend, tty_patterns: Optional[Iterable[str]] = None, proc: s
     observer = Observer(backend, proc=proc)
     observer.read_gpus()
     observer.scan("full")
-    return observer.snapshot(time.monotonic(), (), tty_patterns)
+    return observer.snapshot(time.monotonic(), _NO_WORKLOADS, tty_patterns)

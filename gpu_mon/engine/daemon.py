@@ -458,7 +458,10 @@ class Daemon:
         if plan is None or plan.problems:
             return None
         rules = {u: plan.rules[u] for u in uuids if u in plan.rules}
-        return lambda h: not h.ours and any(u in rules and not policy.ignored(h, rules[u]) for u in h.gpus)
+        # (our workload's process holds a GPU it was not given: busy by its context there, found by a poll)
+        return lambda h: (
+            not h.in_workload and any(u in rules and not policy.ignored(h, rules[u]) for u in h.gpus)
+        )
 
     def _yield_first(self, now: float) -> None:
         """The urgent stops a foreign open calls for, sent on what the search has read (confirmed by the look

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from gpu_mon.api import usage as gpu_usage
 from gpu_mon.api.sentinel import ARMED, FIRED, Sentinel
@@ -189,9 +189,13 @@ class DaemonSentinel:
             gpus = gpu_usage.select(snap.reading, None if sel.all else list(sel.refs))  # type: ignore[arg-type]
         except gpu_usage.GpuUsageError as err:
             return None, str(err)
-        ours = {h.pid for h in snap.nvml_procs if h.ours}
+        ours: Dict[Optional[str], Set[int]] = {}
+        for h in snap.nvml_procs:
+            for uuid in h.gpus:
+                if h.ours_on(uuid):
+                    ours.setdefault(uuid, set()).add(h.pid)
         occupied = {u for w in report.workloads for u in w.get("gpus", ())}
-        values = [gpu_usage.foreign_usage(g, ours, g.uuid in occupied) for g in gpus]
+        values = [gpu_usage.foreign_usage(g, ours.get(g.uuid, ()), g.uuid in occupied) for g in gpus]
         value = gpu_usage.aggregate(values, self.settings.aggregate)
         bad = [g.label for g, v in zip(gpus, values) if v is None]
         return value, (f"{bad[0]} unreadable" if bad else "no GPU")

@@ -55,7 +55,7 @@ def utilization(gpu: Gpu, p: GpuProcess) -> Optional[float]:
 
 
 def _candidate(gpu: Gpu, p: GpuProcess, h: Optional[Holder], rules: GpuSection) -> bool:
-    if h is not None and (h.ours or ignored(h, rules)):
+    if h is not None and (h.ours_on(gpu.uuid) or ignored(h, rules)):
         return False
     util = utilization(gpu, p)
     memory = p.used_memory_mib
@@ -72,11 +72,11 @@ def track(
 ) -> Tuple[IdleTrack, Tuple, Tuple]:
     """(the new track, idle holders that started an episode, those whose episode ended)."""
     seen = old.candidates
-    by_pid = {h.pid: h for h in snap.nvml_procs}
     candidates: Dict[Key, IdleHolder] = {}
     for gpu in snap.reading.gpus:
         if not gpu.uuid:
             continue
+        by_pid = {h.pid: h for h in snap.nvml_procs if gpu.uuid in h.gpus}
         rules = rules_of.get(gpu.uuid, DEFAULT_RULES)
         for p in gpu.processes or ():
             h = by_pid.get(p.pid)

@@ -174,10 +174,12 @@ def _holder_reasons(
     grace = rules.holder_grace_seconds
     reasons = []
     for h in snap.holders:
-        if uuid not in h.gpus or h.ours or ignored(h, rules):
+        if uuid not in h.gpus or h.ours_on(uuid) or ignored(h, rules):
             continue
         first = first_seen.get((h.pid, h.start_ticks, uuid), snap.now)
         idle_holder = gpu.processes is not None and h.pid not in nvml_pids
+        if h.in_workload and idle_holder:
+            continue  # our job's process on a GPU it was not given: busy by its context there, not the node
         if grace is not None and idle_holder and snap.now - first >= grace:
             continue  # holds the node without using the GPU (a monitor, a CUDA init on every GPU)
         reasons.append(Reason(Busy.HOLDER, who=_who(h), path=h.nodes[0] if h.nodes else gpu.device or ""))
@@ -190,10 +192,10 @@ def _nvml_reasons(uuid: str, rules: GpuSection, snap: Snapshot) -> List[Reason]:
     assert gpu is not None
     reasons = []
     ours_mib = 0
-    by_pid = {h.pid: h for h in snap.nvml_procs}
+    by_pid = {h.pid: h for h in snap.nvml_procs if uuid in h.gpus}
     for p in gpu.processes or ():
         h = by_pid.get(p.pid)
-        if h is not None and (h.ours or ignored(h, rules)):
+        if h is not None and (h.ours_on(uuid) or ignored(h, rules)):
             ours_mib += p.used_memory_mib or 0
             continue
         who = _who(h) if h else None

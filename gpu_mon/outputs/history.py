@@ -155,7 +155,7 @@ def _users_by_gpu(report: RoundReport, state_of: Dict[str, str]) -> Dict[str, st
     out: Dict[str, set] = {}
     for h in (*report.snapshot.holders, *report.snapshot.nvml_procs):
         for uuid in h.gpus:
-            if not h.ours and state_of.get(uuid) == "foreign":
+            if not h.ours_on(uuid) and state_of.get(uuid) == "foreign":
                 out.setdefault(uuid, set()).add(h.user)
     sections = {p.name: p.user for p in report.config.processes}
     for w in report.workloads:

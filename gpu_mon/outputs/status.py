@@ -21,8 +21,13 @@ from gpu_mon.queue.runs import JobRun, QueueReport
 from gpu_mon.slurm.view import SlurmReport
 
 
-def _holder(h: Holder, ignored: bool, extra: Optional[dict] = None) -> dict:
-    out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": h.ours, "ignored": ignored and not h.ours}
+def _holder(h: Holder, uuid: Optional[str], ignored: bool, extra: Optional[dict] = None) -> dict:
+    """A holder of GPU `uuid`: ours only where its workload was given that GPU (`elsewhere`: a process of
+    a workload given other GPUs)."""
+    ours = h.ours_on(uuid)
+    out = {"pid": h.pid, "user": h.user, "name": h.name, "ours": ours, "ignored": ignored and not ours}
+    if h.in_workload and not ours:
+        out["elsewhere"] = True
     out.update(extra or {})
     return out
 
@@ -201,7 +206,9 @@ class _Document:
             "reasons": [words.reason(r) for r in verdict.reasons] if verdict else ["not evaluated"],
             "free_since_wall": self.since(free) if free is not None else None,
             "holders": [
-                _holder(h, bool(rules and ignored(h, rules))) for h in self.snap.holders if uuid in h.gpus
+                _holder(h, uuid, bool(rules and ignored(h, rules)))
+                for h in self.snap.holders
+                if uuid in h.gpus
             ],
             "nvml_processes": self._nvml(gpu, rules),
         }
@@ -217,7 +224,7 @@ class _Document:
             }
             h = nvml.get(p.pid)
             if h is not None:
-                out.append(_holder(h, bool(rules and ignored(h, rules)), extra))
+                out.append(_holder(h, gpu.uuid, bool(rules and ignored(h, rules)), extra))
             else:
                 out.append({"pid": p.pid, "user": "?", "name": "?", "ours": False, "ignored": False, **extra})
         return out
@@ -269,6 +276,7 @@ class _Document:
 
 def _who(h: dict) -> str:
     tag = " (ours)" if h.get("ours") else " (ignored)" if h.get("ignored") else ""
+    tag = " (ours elsewhere)" if h.get("elsewhere") and not tag else tag
     mem = f" {h['used_memory_mib']} MiB" if h.get("used_memory_mib") is not None else ""
     util = f" {h['utilization_pct']}%" if h.get("utilization_pct") is not None else ""
     return f"{sanitize(str(h['user']))} {sanitize(str(h['name']))}[{h['pid']}]{mem}{util}{tag}"

@@ -97,12 +97,19 @@ def kill_until_gone(
 
 
 def _kill_pass(root: int, skipped: Set[int]) -> bool:
-    """One pass of kill_until_gone: whether it saw any live descendant (each one seen is sent SIGKILL)."""
+    """One pass of kill_until_gone: whether it saw any live descendant (each one seen is sent SIGKILL).
+
+    Never a pid reused by a stranger: a children list or a walk of /proc names pids, not processes, and
+    `root` (a leader, reaping its own children while the daemon kills them) may reap one between that look
+    and the signal, its pid then free for any process of the machine. So each is signalled only through a
+    pidfd (signal_pid), and only while its start time is still the one read in the same /proc/PID/stat
+    that showed it a descendant of `root` (a direct child: its ppid there is `root`)."""
     seen = False
     for pid in procfs.children(root):
-        if pid not in skipped and _live(pid):
+        st = procfs.read_stat(pid) if pid not in skipped else None
+        if st is not None and st.ppid == root and st.state not in ("Z", "X"):
             seen = True
-            signal_pid(pid, None, signal.SIGKILL)
+            signal_pid(pid, st.start_ticks, signal.SIGKILL)
     for pid, start in procfs.descendants(root, skip=skipped).items():
         if _live(pid):
             seen = True

@@ -4,7 +4,9 @@ for long.
 
 Signals: the leader is our direct child and we reap it only after it has exited, so its pid (= the
 workload's process group id) cannot be reused while we may still signal the group: `killpg(leader_pid)` is
-as safe as a pidfd. Single processes (the leader, orphans) are signalled through pidfds.
+as safe as a pidfd. Single processes (the leader, orphans, a leader's descendants) are signalled through
+pidfds, each only while its start time is the one read in the look that found it a descendant: the leader
+reaps its own children while we kill them, and a pid it reaped may be any process's by then (linux.py).
 
 Containment is by descent, not by group: with a cgroup (cgroups.py) the SIGKILL step is `cgroup.kill`,
 which reaches every process the workload ever forked; without one, every descendant of the leader (the
@@ -600,13 +602,14 @@ class Supervisor:
         out, self.exits = tuple(self.exits), []
         return out
 
-    def sessions(self) -> Dict[int, str]:
-        """Session ids of our workloads (= leader pids) -> instance key; and the processes in the transient
-        units that run jobs (not in a leader's session, nor its descendants)."""
-        out = {w.pid: k for k, w in self.workloads.items()}
-        for k, w in self.workloads.items():
+    def sessions(self) -> Dict[int, Tuple[str, ...]]:
+        """Session ids of our workloads (= leader pids), and the processes in the transient units that run
+        jobs (not in a leader's session, nor its descendants) -> the GPUs (UUIDs) that workload was given:
+        a process of it is ours on those GPUs only (observe.py)."""
+        out = {w.pid: w.instance.gpus for w in self.workloads.values()}
+        for w in self.workloads.values():
             if w.unit is not None:
-                out.update((pid, k) for pid in w.unit.pids())
+                out.update((pid, w.instance.gpus) for pid in w.unit.pids())
         return out
 
 
