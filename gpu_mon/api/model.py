@@ -77,8 +77,7 @@ class Holder:
     # workload (a hook's orphan, reparented to the daemon) is ours on none.
     ours_gpus: frozenset = frozenset()
     # A process of one of our workloads (or gpu_mon itself), whatever GPUs it holds: on a GPU it was not
-    # given, its hold of the node alone is not use (an NVML library in a job opens every GPU's node), a
-    # context there is (see policy._holder_reasons)
+    # given it is someone else's use all the same; this only tells `status` to say "ours elsewhere"
     in_workload: bool = False
 
     def ours_on(self, uuid: Optional[str]) -> bool:

@@ -458,9 +458,9 @@ class Daemon:
         if plan is None or plan.problems:
             return None
         rules = {u: plan.rules[u] for u in uuids if u in plan.rules}
-        # (our workload's process holds a GPU it was not given: busy by its context there, found by a poll)
-        return lambda h: (
-            not h.in_workload and any(u in rules and not policy.ignored(h, rules[u]) for u in h.gpus)
+        # (our workload's process on a GPU it was not given is someone else's use of that GPU)
+        return lambda h: any(
+            u in rules and not h.ours_on(u) and not policy.ignored(h, rules[u]) for u in h.gpus
         )
 
     def _yield_first(self, now: float) -> None:

@@ -178,8 +178,6 @@ def _holder_reasons(
             continue
         first = first_seen.get((h.pid, h.start_ticks, uuid), snap.now)
         idle_holder = gpu.processes is not None and h.pid not in nvml_pids
-        if h.in_workload and idle_holder:
-            continue  # our job's process on a GPU it was not given: busy by its context there, not the node
         if grace is not None and idle_holder and snap.now - first >= grace:
             continue  # holds the node without using the GPU (a monitor, a CUDA init on every GPU)
         reasons.append(Reason(Busy.HOLDER, who=_who(h), path=h.nodes[0] if h.nodes else gpu.device or ""))

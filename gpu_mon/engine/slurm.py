@@ -218,9 +218,8 @@ class Slurm:
     def _uses(self, snap: Snapshot, rules: Mapping[str, GpuSection]) -> Tuple[Use, ...]:
         """Every process on a GPU that is not ours and not ignored, with its Slurm job."""
         merged: Dict[int, Tuple[Holder, frozenset]] = {}
-        nodes = ((True, h) for h in snap.holders)
-        for node, h in (*nodes, *((False, h) for h in snap.nvml_procs)):
-            if h.ours or (node and h.in_workload):  # (a job's context on a GPU not its own counts)
+        for h in (*snap.holders, *snap.nvml_procs):
+            if h.ours:  # (ours on every GPU it holds; on one it was not given, its hold or context counts)
                 continue
             gpus = frozenset(u for u in h.gpus if not h.ours_on(u) and not _ignored(h, rules.get(u)))
             if gpus:
