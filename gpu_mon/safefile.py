@@ -145,6 +145,12 @@ def list_dir(path: str, trusted_uid: Optional[int]) -> List[str]:
         os.close(fd)
 
 
+def open_no_links(path: str, flags: int, mode: int = 0o600) -> int:
+    """`path` opened with `flags` (O_NOFOLLOW and O_CLOEXEC added) through no symlink in any component: a
+    directory of the path swapped for a link, or a link at its end, is refused (UnsafeFile, one line)."""
+    return _open_in_parent(path, flags, resolve=False, mode=mode)
+
+
 def open_append(path: str, mode: int = 0o640) -> int:
     """Open (creating) a log file for appending, as root, on behalf of a workload's user.
 
