@@ -3,18 +3,21 @@ runs when the job ends or is preempted, as the job's user, in its directory, its
 
 `Notices` finds what to notify by comparing the store's jobs with what it saw last (every way a job ends
 is found the same way: an exit, a cancel, a failed dependency, an earlier daemon's run found at start); an
-array without --notify-each notifies once, when its last element ends. `Hooks` runs each hook as a child
-of the daemon that the loop polls (never waited for): 30 s, then its process group is killed. A hook that
-fails is one line in the daemon's log and one in the job's.
+array without --notify-each notifies once, when its last element ends; a job back in the queue (preempted,
+or gpu-mon stopped) is `requeued`, never `preempted`, which is an end (--no-requeue). `Hooks` starts each
+hook through its launcher and polls it (never waited for): 30 s, then it is killed with all it started. A
+hook that fails is one line in the daemon's log and one in the job's.
+
+Containment, as for jobs: nothing a hook started outlives it. Where jobs are our children, each hook runs
+under a leader of its own (engine/hookleader.py, workloads/leader.py: a child subreaper that ends every
+descendant, setsid'd ones too, when the hook's main process exits, SIGTERM then SIGKILL KILL_AFTER later,
+and by itself when gpu-mon dies); where jobs are transient units, each hook is one (engine/outside.py:
+systemd ends what is left in the unit when its main process exits, and after RuntimeMaxSec=).
 
 gpu-mon leaves no hook running: when it stops, a hook has what is left of its 30 s but at most STOP_GRACE
-(counted from the first round of the stop, so it overlaps the workloads' stops), then its group gets SIGTERM
-and, KILL_AFTER later, SIGKILL. A daemon killed with SIGKILL cannot do that: each hook runs under
-coreutils' `timeout`, which ends its group by itself a little after the daemon would have.
-
-Where jobs are transient units, `launch` (engine/outside.py) makes each hook one too, outside the daemon's
-sandbox: the child polled here is then the `systemd-run --wait` client, and a hook is ended through its
-unit's processes as well as the client's group.
+(counted from the first round of the stop, so it overlaps the workloads' stops), then it gets SIGTERM and,
+KILL_AFTER later, SIGKILL with all it started. Each hook also runs under coreutils' `timeout`, which ends its
+group by itself a little after the daemon would have.
 """
 
 from __future__ import annotations
