@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import socket
 import stat
 import tempfile
 from typing import List, Optional
@@ -143,6 +144,54 @@ def list_dir(path: str, trusted_uid: Optional[int]) -> List[str]:
         raise UnsafeFile(f"{path}: {_why(err)}") from None
     finally:
         os.close(fd)
+
+
+def open_no_links(path: str, flags: int, mode: int = 0o600) -> int:
+    """`path` opened with `flags` (O_NOFOLLOW and O_CLOEXEC added) through no symlink in any component: a
+    directory of the path swapped for a link, or a link at its end, is refused (UnsafeFile, one line)."""
+    return _open_in_parent(path, flags, resolve=False, mode=mode)
+
+
+def open_as_user(path: str, uid: int, gid: int, groups: List[int]) -> int:
+    """`path` opened for reading by a child with the user's ids and groups (from root, for a user's file:
+    a link the user made reaches only what the user may read), handed back; a regular file only. OSError
+    as the user met it (ENOENT, EACCES, ...); UnsafeFile for anything but a regular file."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        pid = os.fork()
+        if pid == 0:  # (the child: nothing but system calls, then _exit)
+            _open_for(theirs, path, uid, gid, groups)
+        theirs.close()
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(mine, 16, 1)
+        finally:
+            os.waitpid(pid, 0)
+    finally:
+        mine.close()
+        theirs.close()
+    if not fds:
+        code = int(msg or b"0") or errno.EIO
+        raise OSError(code, os.strerror(code), path)
+    st = os.fstat(fds[0])
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fds[0])
+        raise UnsafeFile(f"{path}: not a regular file")
+    return fds[0]
+
+
+def _open_for(sock: socket.socket, path: str, uid: int, gid: int, groups: List[int]) -> None:
+    """In a forked child: become the user, open `path`, send the descriptor (or the errno) back; exit."""
+    try:
+        os.setgroups(groups)
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        socket.send_fds(sock, [b"0"], [fd])
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            sock.sendall(str(err.errno or errno.EIO).encode())
+    finally:
+        os._exit(0)
 
 
 def open_append(path: str, mode: int = 0o640) -> int:

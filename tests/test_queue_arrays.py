@@ -423,7 +423,7 @@ def test_a_hooks_own_timeout_ends_its_whole_group_without_gpu_mon(tmp_path: Path
 
 
 @pytestmark_root
-def test_a_hook_left_by_a_killed_daemon_has_its_limit_and_a_stopping_daemon_ends_its_hooks(
+def test_a_hook_left_by_a_killed_daemon_is_ended_by_its_leader_and_a_stopping_daemon_ends_its_hooks(
     alab, daemon_factory
 ):
     lab = alab
@@ -431,20 +431,20 @@ def test_a_hook_left_by_a_killed_daemon_has_its_limit_and_a_stopping_daemon_ends
     wait_for(lab.socket.exists, 20, "the queue's socket")
     ann = lab.alice
     job = ["--", "/usr/bin/python3", str(lab.job), "0", "0", lab.marker]
-    # SIGKILL: nothing can stop the hook but its own `timeout` (its limit, a little after gpu-mon's)
+    # SIGKILL: the hook's leader hears it (its parent-death signal) and ends all of the hook by itself
+    # (SIGTERM, ignored here, then SIGKILL a second later); its own `timeout` is there too
     first = ann.work / "first.pids"
     lab.submit(ann, "--notify", STUBBORN.replace("PIDS", str(first)), *job)
     shell, child = wait_for(lambda: _pids(first), 30, "the first hook's pids")
     try:
-        d.signal(signal.SIGKILL)
-        d.proc.wait(10)
-        assert _alive(shell) and _alive(child)
         limit = psutil.Process(shell).parent().cmdline()
         assert os.path.basename(limit[0]) == "timeout" and limit[1:6] == ["-k", "2", "31", "/bin/sh", "-c"]
+        d.signal(signal.SIGKILL)
+        d.proc.wait(10)
+        wait_for(lambda: not _alive(shell) and not _alive(child), hooks.KILL_AFTER + 10, "the hook ended")
     finally:
         with contextlib.suppress(OSError):
             os.killpg(os.getpgid(shell), signal.SIGKILL)
-    wait_for(lambda: not _alive(shell) and not _alive(child), 20, "the first hook killed")
     # SIGTERM: gpu-mon ends its running hooks (TERM to the group, then KILL) before it exits, quickly
     d.start()
     d.wait_log(r"queue: listening on ", count=2)

@@ -285,6 +285,24 @@ def test_a_hook_still_running_when_gpu_mon_stops_ends_with_it(lab: Lab):
     assert "active" not in hooks.replace("inactive", ""), hooks
 
 
+# A hook that leaves a child in a session of its own, its pid in the user's home, and exits.
+ESCAPING_HOOK = (
+    "setsid sh -c 'echo $$ >\"$HOME/qjob-hook-orphan\"; exec sleep 600' </dev/null >/dev/null 2>&1 & "
+    'while [ ! -s "$HOME/qjob-hook-orphan" ]; do sleep 0.05; done'
+)
+
+
+def test_a_child_a_hook_setsid_ends_with_the_hooks_unit_when_the_hook_exits(lab: Lab):
+    job = lab.submit("exit", "0", options=("--notify", ESCAPING_HOOK))
+    pidfile = lab.home("qjob-hook-orphan")
+    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 20, "the orphan"))
+    # systemd stops the unit when its main process exits (KillMode=control-group): SIGTERM to what is left
+    wait_for(lambda: not lab.alive(pid), 10, "the hook's child gone with the hook")
+    listing = ["systemctl", "list-units", "--all", "--plain", "--no-legend", f"gpu-mon-hook-{job}-*"]
+    hooks = lab.box.run(listing).stdout
+    assert "active" not in hooks.replace("inactive", ""), hooks
+
+
 def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(lab: Lab):
     # A grace longer than the unit's RestartSec=5s: systemd's stop of the job outlasts it, and gpu-mon
     # starts again only once the job's unit is gone.

@@ -530,31 +530,64 @@ def _me() -> str:
 def _logs(args: argparse.Namespace, socket: str) -> int:
     answer = _ask(socket, {"op": "logs-path", "id": args.id})
     path, state = answer["path"], answer["state"]
-    offset = _print_from(path, 0, quiet=args.follow or state in (J.QUEUED, J.HELD))
+    output = _Output(path, answer.get("uid"), answer.get("gid"))
+    offset = output.print_from(0, quiet=args.follow or state in (J.QUEUED, J.HELD))
     if offset is None and not args.follow:
         raise CliError(f"job {args.id} has no output yet ({path})", base.EXIT_FAILURE)
     while args.follow and state not in J.ENDED:
         time.sleep(_POLL_SECONDS)
         (job,) = _ask(socket, {"op": "jobs", "ids": [args.id]})["jobs"]
         state = job["state"]
-        offset = _print_from(path, offset or 0, quiet=True)
+        offset = output.print_from(offset or 0, quiet=True)
     if args.follow:
-        _print_from(path, offset or 0, quiet=True)
+        output.print_from(offset or 0, quiet=True)
     return base.EXIT_OK
 
 
-def _print_from(path: str, offset: int, quiet: bool) -> Optional[int]:
-    """Print what the file has past `offset`; the new offset, or None when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        if quiet:
+class _Output:
+    """A job's output file, opened once it is there: root opens another user's as that user (a link the
+    user made there reaches only what the user may read), never through a link when it cannot tell whose
+    the job is; anyone else, with their own rights."""
+
+    def __init__(self, path: str, uid: Optional[int], gid: Optional[int]) -> None:
+        self.path, self.uid, self.gid = path, uid, gid
+        self.fd: Optional[int] = None
+
+    def _open(self) -> int:
+        from gpu_mon import safefile
+
+        try:
+            if os.geteuid() != 0 or self.uid == 0:
+                return os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            if self.uid is None or self.gid is None:  # (a daemon that does not say whose the job is)
+                return safefile.open_no_links(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            import pwd
+
+            name = pwd.getpwuid(self.uid).pw_name
+            groups = os.getgrouplist(name, self.gid)
+            return safefile.open_as_user(self.path, self.uid, self.gid, groups)
+        except (safefile.UnsafeFile, KeyError) as err:
+            raise CliError(f"{sanitize(str(err))}: refused", base.EXIT_FAILURE) from None
+
+    def print_from(self, offset: int, quiet: bool) -> Optional[int]:
+        """Print what the file has past `offset`; the new offset, or None when it cannot be read."""
+        try:
+            if self.fd is None:
+                self.fd = self._open()
+            chunks, at = [], offset
+            while True:
+                chunk = os.pread(self.fd, 1 << 16, at)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                at += len(chunk)
+        except FileNotFoundError:
             return None
-        raise CliError(f"{path}: {err.strerror}", base.EXIT_FAILURE) from None
-    sys.stdout.buffer.write(data)
-    sys.stdout.flush()
-    return offset + len(data)
+        except OSError as err:
+            if quiet:
+                return None
+            raise CliError(f"{sanitize(self.path)}: {err.strerror}", base.EXIT_FAILURE) from None
+        data = b"".join(chunks)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return offset + len(data)

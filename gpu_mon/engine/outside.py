@@ -31,9 +31,12 @@ log = logging.getLogger("gpu_mon")
 NOTE_SECONDS = 10  # a line into a log (a hung NFS home: systemd ends the writer)
 FILE_SECONDS = 120.0  # a hook's environment file is removed this long after (its unit is long gone)
 # As the user: append $2 (one line) to $1, only a regular file (never a FIFO or device, nor through a link
-# at its end), after a newline when the file ends in a partial line.
+# in any component of its path: each is looked at in turn), after a newline when the file ends in a partial
+# line. (As the user, a link swapped in after the look reaches only what the user may write.)
 NOTE_SCRIPT = (
-    '[ -f "$1" ] && [ ! -L "$1" ] || exit 0; '
+    "case $1 in /*) ;; *) exit 0;; esac; d=; IFS=/; set -f; "
+    'for c in $1; do [ -n "$c" ] || continue; d=$d/$c; [ -L "$d" ] && exit 0; done; unset IFS; set +f; '
+    '[ -f "$1" ] || exit 0; '
     '{ [ -n "$(tail -c 1 -- "$1")" ] && echo; printf "%s\\n" "$2"; } >>"$1"'
 )
 
@@ -70,11 +73,26 @@ class UserUnits:
 
     def hook(
         self, job: Job, argv: List[str], env: Dict[str, str], seconds: float
-    ) -> Tuple[List[str], Dict[str, str], Unit]:
-        """How to run a hook (hooks.py's `launch`): the client's argv and environment, and its unit (what
-        ends the hook: `signal`, `kill`)."""
+    ) -> Tuple[subprocess.Popen, Unit]:
+        """Start a hook (hooks.py's `launch`): its client, and its unit (what ends every process of the
+        hook: `signal`, `kill`). systemd ends the unit when the hook's main process exits (KillMode=
+        control-group: SIGTERM to what is left in it, SIGKILL 2 s later), and after `seconds` in any case.
+        OSError when it cannot be started."""
         out, unit = self._argv("hook", job, argv, env, seconds)
-        return out, dict(transient.CLIENT_ENV), unit
+        return self._client(out), unit
+
+    @staticmethod
+    def _client(argv: List[str]) -> subprocess.Popen:
+        """The `systemd-run --wait` client, in a group of its own, as root."""
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(transient.CLIENT_ENV),
+            cwd="/",
+            start_new_session=True,
+        )
 
     def note(self, job: Job, text: str) -> bool:
         """Append `text` to the job's log as its user (started, not waited for: whether it could be)."""
@@ -83,15 +101,7 @@ class UserUnits:
         writer = ["/bin/sh", "-c", NOTE_SCRIPT, "gpu-mon-note", path, sanitize(text, limit=1000)]
         try:
             argv, _unit = self._argv("note", job, writer, {}, NOTE_SECONDS)
-            client = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=dict(transient.CLIENT_ENV),
-                cwd="/",
-                start_new_session=True,
-            )
+            client = self._client(argv)
         except OSError as err:
             log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err)
             return False

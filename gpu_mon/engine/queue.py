@@ -25,12 +25,14 @@ import stat
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from gpu_mon import safefile
 from gpu_mon.api.model import Exited, Snapshot
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import Config, QueueSection
 from gpu_mon.engine import words
 from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
+from gpu_mon.engine.hookleader import LeaderHooks
 from gpu_mon.engine.lock import DaemonLock
 from gpu_mon.engine.outside import UserUnits
 from gpu_mon.engine.workloads import transient
@@ -120,7 +122,7 @@ class Queue:
         # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
         self.outside = UserUnits(supervisor.helpers, self.run_dir) if self.systemd else None
         self.note = self.outside.note if self.outside is not None else note
-        launch = self.outside.hook if self.outside is not None else None
+        launch = self.outside.hook if self.outside is not None else LeaderHooks(groups_of).hook
         self.hooks = Hooks(output_of, groups_of, self.note, supervisor.helpers, launch)
 
     # ------------------------------------------------------------------ life cycle
@@ -658,15 +660,16 @@ def _stop_line(job: Job, wall: float) -> str:
 def note(job: Job, text: str) -> bool:
     """One line into the job's output, as Slurm writes into a job's: root writes it, so only into a regular
     file that the job's user owns and may write, never through a symbolic link at its end, and never by
-    opening anything else (O_PATH first: a device or FIFO put there is not opened). Whether it was written."""
+    opening anything else (O_PATH first: a device or FIFO put there is not opened), nor through a link in
+    any component (a directory swapped for one after the start). Whether it was written."""
     path = output_of(job)
     try:
-        where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        where = safefile.open_no_links(path, os.O_PATH)
     except ValueError as err:  # (a NUL or a lone surrogate in its --output: an older gpu-mon let it in)
         log.info("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err)
         return False
-    except OSError as err:
-        log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err.strerror)
+    except safefile.UnsafeFile as err:
+        log.debug("queue: job %s: no line written: %s", J.ref(job), sanitize(str(err)))
         return False
     try:
         st = os.fstat(where)

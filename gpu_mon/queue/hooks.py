@@ -3,18 +3,21 @@ runs when the job ends or is preempted, as the job's user, in its directory, its
 
 `Notices` finds what to notify by comparing the store's jobs with what it saw last (every way a job ends
 is found the same way: an exit, a cancel, a failed dependency, an earlier daemon's run found at start); an
-array without --notify-each notifies once, when its last element ends. `Hooks` runs each hook as a child
-of the daemon that the loop polls (never waited for): 30 s, then its process group is killed. A hook that
-fails is one line in the daemon's log and one in the job's.
+array without --notify-each notifies once, when its last element ends; a job back in the queue (preempted,
+or gpu-mon stopped) is `requeued`, never `preempted`, which is an end (--no-requeue). `Hooks` starts each
+hook through its launcher and polls it (never waited for): 30 s, then it is killed with all it started. A
+hook that fails is one line in the daemon's log and one in the job's.
+
+Containment, as for jobs: nothing a hook started outlives it. Where jobs are our children, each hook runs
+under a leader of its own (engine/hookleader.py, workloads/leader.py: a child subreaper that ends every
+descendant, setsid'd ones too, when the hook's main process exits, SIGTERM then SIGKILL KILL_AFTER later,
+and by itself when gpu-mon dies); where jobs are transient units, each hook is one (engine/outside.py:
+systemd ends what is left in the unit when its main process exits, and after RuntimeMaxSec=).
 
 gpu-mon leaves no hook running: when it stops, a hook has what is left of its 30 s but at most STOP_GRACE
-(counted from the first round of the stop, so it overlaps the workloads' stops), then its group gets SIGTERM
-and, KILL_AFTER later, SIGKILL. A daemon killed with SIGKILL cannot do that: each hook runs under
-coreutils' `timeout`, which ends its group by itself a little after the daemon would have.
-
-Where jobs are transient units, `launch` (engine/outside.py) makes each hook one too, outside the daemon's
-sandbox: the child polled here is then the `systemd-run --wait` client, and a hook is ended through its
-unit's processes as well as the client's group.
+(counted from the first round of the stop, so it overlaps the workloads' stops), then it gets SIGTERM and,
+KILL_AFTER later, SIGKILL with all it started. Each hook also runs under coreutils' `timeout`, which ends its
+group by itself a little after the daemon would have.
 """
 
 from __future__ import annotations
@@ -53,12 +56,14 @@ KILL_AFTER = 1.0  # then SIGKILL to the group
 BACKSTOP_SECONDS = HOOK_SECONDS + 1.0  # `timeout` ends a hook by itself (its daemon was SIGKILLed)
 BACKSTOP_KILL = 2  # and SIGKILLs its group this many seconds after its SIGTERM
 DEFAULT_HOOK = ".config/gpu-mon/notify"  # under the user's home
-PREEMPTED, REQUEUED = "preempted", "requeued"
-# As the user: the job's log for output (/dev/null when it cannot be opened: `command` keeps a failed
-# redirection of `exec` from ending the shell, as it would a special builtin's), its directory, then the hook.
+LOOK_SECONDS = 2.0  # the look for a user's default hook, as the user, at most
+REQUEUED = "requeued"  # a job back in the queue (preempted, or gpu-mon stopped); ended so: `preempted`
+# As the user: the job's log for output (made 0600 when it is not there yet, as a job's; /dev/null when
+# it cannot be opened: `command` keeps a failed redirection of `exec` from ending the shell, as it would a
+# special builtin's), its directory, then the hook.
 # $1 the log, $2 the directory, $3 the hook's command line, then what runs it (`timeout ... `, or nothing).
 _WRAPPER = (
-    '{ command exec >>"$1"; } 2>/dev/null || exec >/dev/null; exec 2>&1; '
+    '(umask 077; : >>"$1") 2>/dev/null; { command exec >>"$1"; } 2>/dev/null || exec >/dev/null; exec 2>&1; '
     'cd -- "$2" 2>/dev/null || cd / || exit 126; cmd=$3; shift 3; exec "$@" /bin/sh -c "$cmd"'
 )
 
@@ -80,7 +85,7 @@ def _event(before: Tuple[str, int], job: Job) -> Optional[str]:
     if job.state in J.ENDED and state not in J.ENDED:
         return job.state
     if job.state == J.QUEUED and job.restarts > restarts:
-        return PREEMPTED if job.reason == "preempted" else REQUEUED
+        return REQUEUED  # (back in the queue: `preempted` is a job that ended so, under --no-requeue)
     return None
 
 
@@ -150,20 +155,43 @@ def environment(n: Notice) -> Dict[str, str]:
     return env
 
 
-def default_hook(uid: int) -> str:
-    """The user's executable ~/.config/gpu-mon/notify as a command line, else ""."""
+def default_hook(uid: int, groups_of: Callable[[int, int], Tuple[int, ...]]) -> str:
+    """The user's executable ~/.config/gpu-mon/notify as a command line, else "". Looked for as the user
+    (`looks_usable`): root's look would tell a path only root may reach from one that is not there."""
     try:
-        home = pwd.getpwuid(uid).pw_dir
+        pw = pwd.getpwuid(uid)
     except KeyError:
         return ""
-    path = os.path.join(home, DEFAULT_HOOK)
+    path = os.path.join(pw.pw_dir, DEFAULT_HOOK)
+    return "exec " + shlex.quote(path) if looks_usable(path, pw, groups_of) else ""
+
+
+def looks_usable(path: str, pw: pwd.struct_passwd, groups_of: Callable[[int, int], Tuple[int, ...]]) -> bool:
+    """Whether `path` is a regular file the user may execute, as the user sees it: root looks through a
+    child with the user's ids and groups (a hook is there or not alike whether it is missing or only root
+    could see it); not root, itself (it is the user, or cannot run another user's hook anyway)."""
+    if os.geteuid() != 0 or pw.pw_uid == 0:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)
     try:
-        st = os.stat(path)  # (only whether it is there: it runs as the user, with the user's rights)
-    except OSError:
-        return ""
-    if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
-        return ""
-    return "exec " + shlex.quote(path)
+        done = subprocess.run(
+            ["/bin/sh", "-c", '[ -f "$1" ] && [ -x "$1" ]', "gpu-mon-hook-look", path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+            env={"PATH": os.defpath},
+            user=pw.pw_uid,
+            group=pw.pw_gid,
+            extra_groups=list(groups_of(pw.pw_uid, pw.pw_gid)),
+            timeout=LOOK_SECONDS,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False  # (a hung home directory: no hook this time)
+    return done.returncode == 0
 
 
 def wrapper_argv(output: str, cwd: str, cmd: str, seconds: float = BACKSTOP_SECONDS) -> List[str]:
@@ -189,16 +217,19 @@ def _killpg(pid: int, sig: int) -> None:
 
 
 class Reach(Protocol):
-    """What ends a hook that runs as a transient unit (engine/outside.py): every process in it."""
+    """What ends every process a hook started, wherever it went: its leader's descendants (the direct
+    launcher, engine/hookleader.py) or its transient unit's group (engine/outside.py)."""
 
     def signal(self, sig: int) -> bool: ...
 
     def kill(self) -> bool: ...
 
 
-# How a hook runs outside gpu-mon (engine/outside.py, where jobs are transient units): from the job, the
-# wrapper's argv, its environment and its time limit, the client's argv and environment and what reaches it.
-Launch = Callable[[Job, List[str], Dict[str, str], float], Tuple[List[str], Dict[str, str], Reach]]
+# How a hook is started, contained (engine/hookleader.py, or engine/outside.py where jobs are transient
+# units): from the job, the wrapper's argv, its environment and its time limit, the process started (what
+# the loop polls: it exits once nothing of the hook is left) and what reaches all of the hook. OSError when
+# it cannot be started.
+Launch = Callable[[Job, List[str], Dict[str, str], float], Tuple[subprocess.Popen, Reach]]
 
 
 @dataclass
@@ -206,16 +237,22 @@ class _Running:
     popen: subprocess.Popen
     job: Job
     deadline: float
-    unit: Optional[Reach] = None  # the hook's transient unit (None: the hook is our child's group)
+    unit: Optional[Reach] = None  # what reaches every process of the hook (None: our child's group only)
+    killed: bool = False  # its deadline passed: killed (again at each look until nothing is left)
 
     def signal(self, sig: int) -> None:
-        """`sig` to the hook's group (ours, unreaped: still its), and to its unit's processes."""
+        """`sig` to the hook's group (ours, unreaped: still its), and to every process it started."""
         _killpg(self.popen.pid, sig)
         if self.unit is not None:
-            if sig == signal.SIGKILL:
-                self.unit.kill()
-            else:
-                self.unit.signal(sig)
+            self.unit.signal(sig)
+
+    def kill(self) -> bool:
+        """SIGKILL to every process the hook started, then to its group (the leader with it, once nothing
+        is left that would be orphaned); False when some may be left (to be tried again)."""
+        gone = self.unit.kill() if self.unit is not None else True
+        if gone:
+            _killpg(self.popen.pid, signal.SIGKILL)
+        return gone
 
 
 def _late(runs: List[_Running], deadline_of: Callable[[_Running], float]) -> List[_Running]:
@@ -231,6 +268,14 @@ def _late(runs: List[_Running], deadline_of: Callable[[_Running], float]) -> Lis
         if pending:
             time.sleep(0.02)
     return late
+
+
+def _kill_all(r: _Running, budget: float = KILL_AFTER) -> None:
+    """Kill every process of the hook, trying again for up to `budget` seconds, its leader last."""
+    until = time.monotonic() + budget
+    while not r.kill() and time.monotonic() < until:
+        time.sleep(0.02)
+    _killpg(r.popen.pid, signal.SIGKILL)
 
 
 class Hooks:
@@ -271,7 +316,7 @@ class Hooks:
         if found is None or now - found[0] > DEFAULT_HOOK_TTL:
             if len(self.defaults) > 1000:
                 self.defaults = {}
-            found = self.defaults[uid] = (now, default_hook(uid))
+            found = self.defaults[uid] = (now, default_hook(uid, self.groups_of))
         return found[1]
 
     def _start_waiting(self, now: float) -> None:
@@ -299,23 +344,12 @@ class Hooks:
     def _start(self, n: Notice, cmd: str, now: float) -> bool:
         """Run the job's hook `cmd`; whether it started."""
         j = n.job
-        ids = {}
-        if os.geteuid() == 0 and self.launch is None:
-            ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
         argv, env, unit = wrapper_argv(self.output_of(j), j.cwd or "/", cmd), environment(n), None
         try:
             if self.launch is not None:  # (OSError too: its environment cannot be written)
-                argv, env, unit = self.launch(j, argv, env, BACKSTOP_SECONDS + BACKSTOP_KILL + 1)
-            popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd="/",
-                env=env,
-                start_new_session=True,  # (its own group: killed whole after HOOK_SECONDS)
-                **ids,  # type: ignore[arg-type]
-            )
+                popen, unit = self.launch(j, argv, env, BACKSTOP_SECONDS + BACKSTOP_KILL + 1)
+            else:
+                popen = self._child(j, argv, env)
         except (OSError, ValueError) as err:  # (ValueError: a NUL or lone surrogate an older gpu-mon let in)
             self._failed(j, f"cannot run its hook: {getattr(err, 'strerror', None) or err}")
             return False
@@ -323,6 +357,22 @@ class Hooks:
         self.running.append(_Running(popen, j, now + HOOK_SECONDS, unit))
         log.info("queue: job %s %s: running its hook[%d]", J.ref(j), n.state, popen.pid)
         return True
+
+    def _child(self, j: Job, argv: List[str], env: Dict[str, str]) -> subprocess.Popen:
+        """The hook as a plain child of ours, as its user, in a group of its own (without a launcher)."""
+        ids = {}
+        if os.geteuid() == 0:
+            ids = {"user": j.uid, "group": j.gid, "extra_groups": list(self.groups_of(j.uid, j.gid))}
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+            env=env,
+            start_new_session=True,  # (its own group: killed whole after HOOK_SECONDS)
+            **ids,  # type: ignore[arg-type]
+        )
 
     def poll(self, now: float) -> None:
         """Reap the hooks that ended (a failure: one line each), kill those past their time, start those
@@ -336,12 +386,17 @@ class Hooks:
         for r in self.running:
             code = r.popen.poll()
             if code is None and now >= r.deadline:
-                r.signal(signal.SIGKILL)  # (ours, not yet reaped: the group is still its)
+                if not r.kill():  # (ours, not yet reaped: the group is still its)
+                    r.deadline, r.killed = now + POLL_SECONDS, True  # (some left: again at the next look)
+                    still.append(r)
+                    continue
                 r.popen.wait()
                 self._failed(r.job, f"its hook took over {HOOK_SECONDS:g} s: killed")
             elif code is None:
                 still.append(r)
                 continue
+            elif r.killed:
+                self._failed(r.job, f"its hook took over {HOOK_SECONDS:g} s: killed")
             elif code != 0:
                 self._failed(r.job, f"its hook exited with status {code}")
             self.keep.pop(r.popen.pid, None)
@@ -371,7 +426,7 @@ class Hooks:
         term_at = time.monotonic()
         _late(late, lambda r: term_at + KILL_AFTER)
         for r in self.running:
-            r.signal(signal.SIGKILL)  # (what is left of each group: a child that outlived it)
+            _kill_all(r)  # (what is left of each hook: a child that outlived it)
             code = r.popen.wait()  # (reaped only now: until then each group was still its leader's)
             if r in late:
                 self._failed(r.job, "its hook was still running when gpu-mon stopped: killed")

@@ -487,7 +487,7 @@ class Requests:
 
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))
-        return {"path": output_of(job), "state": job.state}
+        return {"path": output_of(job), "state": job.state, "uid": job.uid, "gid": job.gid}  # (whose: logs)
 
 
 def _limited(
