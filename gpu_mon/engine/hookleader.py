@@ -52,6 +52,7 @@ class LeaderHooks:
     ) -> Tuple[subprocess.Popen, LeaderReach]:
         """Start the hook (hooks.py's `launch`; its own limit is the loop's and the wrapper's `timeout`):
         the leader, and what reaches all of the hook. OSError when it cannot be started."""
+        _executable(argv, env)
         root = os.geteuid() == 0
         devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -73,3 +74,11 @@ class LeaderHooks:
         }
         _send_spec(popen, spec)
         return popen, LeaderReach(popen.pid)
+
+
+def _executable(argv: List[str], env: Dict[str, str]) -> None:
+    """ValueError, as subprocess's own start would raise, for what exec cannot take (a NUL, a surrogate
+    that stands for no byte): said before a leader is started, not as its exit status 126."""
+    for text in (*argv, *env, *env.values()):
+        if b"\0" in os.fsencode(text):  # (UnicodeEncodeError, a ValueError: surrogates not allowed)
+            raise ValueError("embedded null byte")
