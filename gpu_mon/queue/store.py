@@ -22,7 +22,6 @@ import errno
 import json
 import logging
 import os
-import sqlite3
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -77,7 +76,7 @@ def _connect(path: str):
         raise NotOurs(str(err)) from None
     try:
         _migrate(conn)
-    except sqlite3.OperationalError:  # (a full disk, a lock: the file is not damaged for it)
+    except historydb.OperationalError:  # (a full disk, a lock: the file is not damaged for it)
         conn.close()
         raise
     except (historydb.Error, NotOurs) as err:
@@ -249,7 +248,7 @@ class Store:
             self.conn.execute("COMMIT")
         except BaseException:
             if self.conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):  # (sqlite rolls back itself on some errors)
+                with contextlib.suppress(historydb.Error):  # (sqlite rolls back itself on some errors)
                     self.conn.execute("ROLLBACK")
             raise
         return out
@@ -292,7 +291,7 @@ class Store:
 
             try:
                 job = dataclasses.replace(job, id=self._transaction(insert))
-            except (sqlite3.Error, OSError) as err:
+            except (historydb.Error, OSError) as err:
                 raise self._cannot_store(err) from None
             ahead = self._queued
             self.jobs[job.id] = job
@@ -326,7 +325,7 @@ class Store:
             self._make_room(job.user, len(indices), len(shared) + sum(len(r[5]) for r in data), limits)
             try:
                 self._transaction(lambda: self._insert_array(first, shared, data))
-            except (sqlite3.Error, OSError) as err:
+            except (historydb.Error, OSError) as err:
                 raise self._cannot_store(err) from None
             ahead = self._queued
             members = self.arrays[first] = {}
@@ -379,7 +378,7 @@ class Store:
             )
         try:
             self._delete(victims)
-        except (sqlite3.Error, OSError) as err:
+        except (historydb.Error, OSError) as err:
             raise self._cannot_store(err) from None
         log.info("queue: %d finished job(s) of %s removed to keep its limits", len(victims), user)
 
@@ -517,7 +516,7 @@ class Store:
                     [(j.state, j.ended, text, j.id) for j, text in pending],
                 )
             )
-        except (sqlite3.Error, OSError) as err:
+        except (historydb.Error, OSError) as err:
             if self.failing is None:
                 self.failing = str(err)
                 log.error(
