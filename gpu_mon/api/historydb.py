@@ -53,6 +53,7 @@ CREATE INDEX job_runs_by_end ON job_runs (end);
 """,
 }
 Error = sqlite3.Error
+OperationalError = sqlite3.OperationalError  # (a full disk, a lock: not a damaged file)
 
 
 class NotOurs(Exception):

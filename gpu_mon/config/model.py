@@ -171,6 +171,8 @@ class QueueSection:
     max_gpus_per_user: int = 0
     max_queued_per_user: int = 1000
     max_array_size: int = 10000  # elements of one `submit --array`; indices below it
+    max_kept_per_user: int = 5000  # jobs the database keeps per user, finished ones included (0: none)
+    max_stored_mib_per_user: int = 64  # what the database keeps of one user's jobs (0: no limit)
     max_gpus_per_job: int = 0
     order: str = "fair"
     fair_window_hours: float = 24.0

@@ -193,6 +193,26 @@ QUEUE = SectionSpec(
             "The most elements one `submit --array` may queue; every index is below it (Slurm's "
             "MaxArraySize). Each element counts as a job against max_queued_per_user.",
         ),
+        Key(
+            "max_kept_per_user",
+            "whole number",
+            plain(v.limit),
+            "5000",
+            "The most jobs the database keeps for one user, finished ones included (never fewer than "
+            "max_queued_per_user; an array's elements each count). A submit that would pass it removes that "
+            "user's oldest finished jobs first (never another user's, never an unfinished one), and is "
+            "refused when that is not enough.",
+        ),
+        Key(
+            "max_stored_mib_per_user",
+            "MiB",
+            plain(v.mib),
+            "64",
+            "The most the database keeps of one user's jobs, in MiB: their commands, environments, "
+            "directories, names, outputs and hooks (an array's once), and about 300 bytes a job. A submit "
+            "that would pass it removes that user's oldest finished jobs first, and is refused when that "
+            "is not enough.",
+        ),
         Key("max_gpus_per_job", "whole number", plain(v.limit), "0", "GPUs one job may ask for."),
         Key(
             "order",

@@ -298,6 +298,7 @@ class Queue:
     ) -> Decision:
         self.dirty = False
         wall = self.wall()
+        self.store.flush(now)  # (what a full disk kept from the database: it never stops the loop)
         self._ended(wall)
         if stopping:
             return decision

@@ -28,7 +28,7 @@ from gpu_mon.queue.listing import Listing, iso, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
-from gpu_mon.queue.store import Drained, Refused, Store
+from gpu_mon.queue.store import MIB, Drained, Limits, Refused, Store
 from gpu_mon.queue.words import refusal
 from gpu_mon.queue.words import waiting as waiting_words
 
@@ -103,12 +103,13 @@ class Requests:
         self._allowed(user)
         spec = self._array(req)
         job = self._job_from(peer, user, req)
+        q, limits = self.queue, kept_limits(self.queue)
         try:
             if spec is not None:
                 job = dataclasses.replace(job, array_limit=spec.limit)
-                job, ahead = self.store.submit_array(job, spec.indices, self.queue.max_queued_per_user)
+                job, ahead = self.store.submit_array(job, spec.indices, q.max_queued_per_user, limits)
             else:
-                job, ahead = self.store.submit(job, self.queue.max_queued_per_user)
+                job, ahead = self.store.submit(job, q.max_queued_per_user, limits)
         except Refused as err:
             raise Bad(str(err), 1) from None
         self.changed()
@@ -488,6 +489,13 @@ class Requests:
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))
         return {"path": output_of(job), "state": job.state, "uid": job.uid, "gid": job.gid}  # (whose: logs)
+
+
+def kept_limits(q: QueueSection) -> Limits:
+    """What one user may have in the store: max_queued_per_user unfinished jobs; max_kept_per_user jobs in
+    all (never fewer than the unfinished ones allowed); max_stored_mib_per_user of their rows."""
+    kept = max(q.max_kept_per_user, q.max_queued_per_user) if q.max_kept_per_user else 0
+    return Limits(q.max_queued_per_user, kept, q.max_stored_mib_per_user * MIB)
 
 
 def _limited(

@@ -1,28 +1,39 @@
 """The queue's database: an embedded SQLite file (WAL, synchronous=FULL: a write is on disk when it returns)
-and an in-memory copy of every job that reads use. Every change is committed before it is acknowledged.
+and an in-memory copy of every job that reads use. Every change is committed before it is acknowledged
+(but see below: a full disk).
 
-One table, `jobs`: the columns reads would filter on (user, state, times) and the whole job as JSON; and
-`queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when). The
-file carries its own application id and schema version; a damaged or foreign file is moved aside (one log
-line) and a new one started. Thread-safe: the socket server and the daemon's loop both write.
+Tables: `jobs`, the columns reads would filter on (user, state, times) and the job as JSON; `arrays`, what
+every element of an array has alike, once per array (rows.py); and `queue_state`, the queue's own settings
+as key and JSON value (`drained`: who drained it, when). The file carries its own application id and
+schema version; a damaged or foreign file is moved aside (one log line) and a new one started.
+Thread-safe: the socket server and the daemon's loop both write.
+
+What one user may keep is bounded (`Limits`): jobs, finished ones included, and the bytes of their rows; a
+submit over either removes that user's oldest finished jobs first, and is refused when that is not enough.
+A write that fails (a full disk) refuses a submit, but a change of a job's state is kept in memory and
+written with the next write that works (`flush`): the daemon goes on with what it knows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from gpu_mon.api import historydb
 from gpu_mon.queue import jobs as J
+from gpu_mon.queue import rows
 from gpu_mon.queue.jobs import Job
 
 log = logging.getLogger("gpu_mon")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x67706D71  # "gpmq": marks the file as gpu-mon's queue
 _SCHEMA_V1 = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -35,7 +46,9 @@ CREATE INDEX jobs_by_user_state ON jobs (user, state);
 # Added to schema 1 without a new version: an older gpu-mon ignores a table it does not know (a new version
 # would make it move the whole queue aside), and this one makes the table where it is missing.
 _QUEUE_STATE = "CREATE TABLE IF NOT EXISTS queue_state (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
-_TUPLES = ("command", "after", "gpus", "after_arrays", "notify")
+# 2: an array's shared part once (an older gpu-mon would read its elements without a command: it moves the
+# file aside instead, as it does any newer one)
+_SCHEMA_V2 = "CREATE TABLE arrays (id INTEGER PRIMARY KEY, data TEXT NOT NULL);"
 
 
 class NotOurs(Exception):
@@ -54,22 +67,6 @@ class Refused(Exception):
     """A change the store will not make (a limit); str() is one line for the user."""
 
 
-def _to_row(job: Job) -> str:
-    data = dataclasses.asdict(job)
-    data.pop("id")
-    data["env"] = dict(job.env)
-    return json.dumps(data, separators=(",", ":"))
-
-
-def _from_row(job_id: int, text: str) -> Job:
-    data = json.loads(text)
-    for key in _TUPLES:
-        data[key] = tuple(data.get(key) or ())
-    data["env"] = tuple((str(k), str(v)) for k, v in (data.get("env") or {}).items())
-    known = {f.name for f in dataclasses.fields(Job)}
-    return Job(id=job_id, **{k: v for k, v in data.items() if k in known})
-
-
 def _connect(path: str):
     """Open (creating, root's alone: it holds the jobs' environments) and check the file; NotOurs when it is
     damaged, foreign or newer."""
@@ -79,6 +76,9 @@ def _connect(path: str):
         raise NotOurs(str(err)) from None
     try:
         _migrate(conn)
+    except historydb.OperationalError:  # (a full disk, a lock: the file is not damaged for it)
+        conn.close()
+        raise
     except (historydb.Error, NotOurs) as err:
         conn.close()
         raise NotOurs(str(err)) from None
@@ -92,7 +92,9 @@ def _migrate(conn) -> None:
     if current > SCHEMA_VERSION:
         raise NotOurs(f"written by a newer gpu-mon (schema {current}; this one knows {SCHEMA_VERSION})")
     if current == 0:
-        conn.executescript(f"BEGIN; {_SCHEMA_V1} INSERT INTO schema_version VALUES (1); COMMIT;")
+        conn.executescript(f"BEGIN; {_SCHEMA_V1} {_SCHEMA_V2} INSERT INTO schema_version VALUES (2); COMMIT;")
+    elif current == 1:
+        conn.executescript(f"BEGIN; {_SCHEMA_V2} UPDATE schema_version SET version = 2; COMMIT;")
     conn.execute(_QUEUE_STATE)
 
 
@@ -109,25 +111,65 @@ def _drained(conn) -> Optional[Drained]:
         return Drained("?", 0.0)
 
 
+MIB = 1024 * 1024
+RETRY_SECONDS = 1.0  # between two tries of the changes a failed write left in memory (flush)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one user may have in the store (0: no limit): unfinished jobs; jobs kept, finished ones
+    included; and the bytes of their rows (an array's shared part counted once)."""
+
+    unfinished: int
+    kept: int = 0
+    stored_bytes: int = 0
+
+
+def _full(err: BaseException) -> bool:
+    """The write failed for want of space."""
+    if isinstance(err, OSError):
+        return err.errno == errno.ENOSPC
+    code = getattr(err, "sqlite_errorcode", None)
+    return code == 13 or "disk is full" in str(err)  # SQLITE_FULL
+
+
 class Store:
     """The queue's jobs, on disk and in memory."""
 
-    def __init__(self, conn) -> None:
-        self.conn = conn
+    def __init__(self, conn, path: str = "") -> None:
+        self.conn, self.path = conn, path
         self.lock = threading.Lock()
         self.jobs: Dict[int, Job] = {}
         self.version = 0  # raised on every change (the daemon re-places jobs when it moves)
         # Kept as jobs change, so that a submit never counts through a long queue: unfinished jobs per
-        # user, and queued jobs.
+        # user, queued jobs, each user's jobs and their rows' bytes.
         self._unfinished: Dict[str, int] = {}
         self._queued = 0
+        self._kept: Dict[str, int] = {}
+        self._bytes: Dict[str, int] = {}
+        self._size: Dict[int, int] = {}  # job id -> its row's bytes
+        self._array_size: Dict[int, int] = {}  # array id -> its shared row's bytes (arrays stored so)
         self.arrays: Dict[int, Dict[int, int]] = {}  # array id -> index -> the element's job id
-        for job_id, text in conn.execute("SELECT id, data FROM jobs ORDER BY id"):
-            job = self.jobs[job_id] = _from_row(job_id, text)
-            self._tally(job, 1)
-            if job.array_id:
-                self.arrays.setdefault(job.array_id, {})[job.array_index] = job_id
+        self.unwritten: Dict[int, str] = {}  # job id -> its row, changed in memory but not on disk yet
+        self.failing: Optional[str] = None  # why writes fail now (None: they work)
+        self._retry_at = 0.0
+        self._load()
         self.drained = _drained(conn)
+
+    def _load(self) -> None:
+        shared: Dict[int, Dict[str, object]] = {}
+        for array_id, text in self.conn.execute("SELECT id, data FROM arrays"):
+            shared[array_id] = rows.shared_part(text)
+            self._array_size[array_id] = len(text)
+        for job_id, text in self.conn.execute("SELECT id, data FROM jobs ORDER BY id"):
+            job = self.jobs[job_id] = rows.from_row(job_id, text, shared)
+            self._tally(job, 1)
+            self._weigh(job, len(text), 1)
+            if job.array_id:
+                members = self.arrays.setdefault(job.array_id, {})
+                if not members:
+                    self._bytes[job.user] += self._array_size.get(job.array_id, 0)
+                members[job.array_index] = job_id
 
     def _tally(self, job: Job, sign: int) -> None:
         if job.state not in J.ENDED:
@@ -135,21 +177,31 @@ class Store:
         if job.state == J.QUEUED:
             self._queued += sign
 
+    def _weigh(self, job: Job, size: int, sign: int) -> None:
+        """Count a job (sign 1) or no longer (-1) among its user's kept jobs and bytes."""
+        self._kept[job.user] = self._kept.get(job.user, 0) + sign
+        self._bytes[job.user] = self._bytes.get(job.user, 0) + sign * size
+        if sign > 0:
+            self._size[job.id] = size
+        else:
+            self._size.pop(job.id, None)
+
     @classmethod
     def open(cls, path: str, now: float) -> Store:
         """Open the database; a damaged or foreign file is moved aside with one log line."""
         try:
-            return cls(_connect(path))
+            return cls(_connect(path), path)
         except NotOurs as err:
             aside = historydb.move_aside(path, now)
             log.warning(
                 "queue: %s is unusable (%s): moved aside to %s; starting an empty queue", path, err, aside
             )
-            return cls(_connect(path))
+            return cls(_connect(path), path)
 
     def close(self) -> None:
-        """Close the database."""
+        """Close the database (what could not be written is tried once more)."""
         with self.lock:
+            self._flush()
             self.conn.close()
 
     # ------------------------------------------------------------------ reads (from memory)
@@ -181,7 +233,31 @@ class Store:
         with self.lock:
             return self._unfinished.get(user, 0)
 
+    def kept(self, user: str) -> Tuple[int, int]:
+        """How many of this user's jobs the store keeps, and their rows' bytes."""
+        with self.lock:
+            return self._kept.get(user, 0), self._bytes.get(user, 0)
+
     # ------------------------------------------------------------------ writes (committed before they return)
+
+    def _transaction(self, work: Callable[[], object]) -> object:
+        """`work` in one transaction: committed, or rolled back and raised."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            out = work()
+            self.conn.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:
+                with contextlib.suppress(historydb.Error):  # (sqlite rolls back itself on some errors)
+                    self.conn.execute("ROLLBACK")
+            raise
+        return out
+
+    def _cannot_store(self, err: BaseException) -> Refused:
+        where = os.path.dirname(self.path) or "."
+        if _full(err):
+            return Refused(f"cannot store the job: no space left on the device of {where}: nothing queued")
+        return Refused(f"cannot store the job in {self.path}: {err}: nothing queued")
 
     def drain(self, drained: Optional[Drained]) -> None:
         """Drain the queue (no job starts) or, with None, resume it; on disk before it returns."""
@@ -194,34 +270,44 @@ class Store:
             self.drained = drained
             self.version += 1
 
-    def submit(self, job: Job, max_unfinished: int) -> Tuple[Job, int]:
+    def submit(self, job: Job, max_unfinished: int, limits: Optional[Limits] = None) -> Tuple[Job, int]:
         """Add a job (its id is given here); return it and how many queued jobs are ahead of it.
-        Refused when the user already has `max_unfinished` jobs that have not ended."""
+        Refused when the user already has `max_unfinished` jobs that have not ended, when it would pass
+        `limits` once that user's oldest finished jobs are removed, or when it cannot be written."""
+        limits = limits or Limits(max_unfinished)
         with self.lock:
             mine = self._unfinished.get(job.user, 0)
             if mine >= max_unfinished:
                 raise Refused(f"{job.user} already has {mine} unfinished jobs (limit {max_unfinished})")
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
+            text = rows.to_row(job)
+            self._make_room(job.user, 1, len(text), limits)
+
+            def insert() -> int:
                 cur = self.conn.execute(
                     "INSERT INTO jobs (user, state, submitted, ended, data) VALUES (?, ?, ?, ?, ?)",
-                    (job.user, job.state, job.submitted, job.ended, _to_row(job)),
+                    (job.user, job.state, job.submitted, job.ended, text),
                 )
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            job = dataclasses.replace(job, id=int(cur.lastrowid))
+                return int(cur.lastrowid)
+
+            try:
+                job = dataclasses.replace(job, id=self._transaction(insert))
+            except (historydb.Error, OSError) as err:
+                raise self._cannot_store(err) from None
             ahead = self._queued
             self.jobs[job.id] = job
             self._tally(job, 1)
+            self._weigh(job, len(text), 1)
             self.version += 1
             return job, ahead
 
-    def submit_array(self, job: Job, indices: Sequence[int], max_unfinished: int) -> Tuple[Job, int]:
+    def submit_array(
+        self, job: Job, indices: Sequence[int], max_unfinished: int, limits: Optional[Limits] = None
+    ) -> Tuple[Job, int]:
         """Add an array: one element (a job) per index, all in one transaction, with consecutive ids; the
-        array's id is its first element's. Return the first element and how many queued jobs are ahead.
-        Refused (nothing added) when the elements would take the user over `max_unfinished`."""
+        array's id is its first element's; what the elements have alike is stored once. Return the first
+        element and how many queued jobs are ahead. Refused (nothing added) when the elements would take
+        the user over `max_unfinished` or `limits` (as `submit`), or cannot be written."""
+        limits = limits or Limits(max_unfinished)
         with self.lock:
             mine = self._unfinished.get(job.user, 0)
             if mine + len(indices) > max_unfinished:
@@ -231,40 +317,131 @@ class Store:
                 )
             first = self._next_id()
             base = dataclasses.replace(job, id=first, array_id=first, array_index=0)
-            # One encoding of the whole job; each element's row is it with its own index (written last)
-            data = json.loads(_to_row(base))
-            data.pop("array_index")
-            head = json.dumps(data, separators=(",", ":"))[:-1] + ',"array_index":'
-            rows = [
+            shared, head = rows.split(base)
+            data = [
                 (first + k, job.user, job.state, job.submitted, job.ended, f"{head}{i}}}")
                 for k, i in enumerate(indices)
             ]
-            self.conn.execute("BEGIN IMMEDIATE")
+            self._make_room(job.user, len(indices), len(shared) + sum(len(r[5]) for r in data), limits)
             try:
-                self.conn.executemany(
-                    "INSERT INTO jobs (id, user, state, submitted, ended, data) VALUES (?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
+                self._transaction(lambda: self._insert_array(first, shared, data))
+            except (historydb.Error, OSError) as err:
+                raise self._cannot_store(err) from None
             ahead = self._queued
             members = self.arrays[first] = {}
-            for k, i in enumerate(indices):
-                self.jobs[first + k] = J.element(base, first + k, i)
-                members[i] = first + k
+            self._array_size[first] = len(shared)
+            self._bytes[job.user] = self._bytes.get(job.user, 0) + len(shared)
+            for (job_id, *_, text), i in zip(data, indices):
+                element = self.jobs[job_id] = J.element(base, job_id, i)
+                members[i] = job_id
+                self._weigh(element, len(text), 1)
             self._unfinished[job.user] = mine + (0 if job.state in J.ENDED else len(indices))
             if job.state == J.QUEUED:
                 self._queued += len(indices)
             self.version += 1
             return self.jobs[first], ahead
 
+    def _insert_array(self, array_id: int, shared: str, data: List[tuple]) -> None:
+        self.conn.execute("INSERT INTO arrays (id, data) VALUES (?, ?)", (array_id, shared))
+        self.conn.executemany(
+            "INSERT INTO jobs (id, user, state, submitted, ended, data) VALUES (?, ?, ?, ?, ?, ?)", data
+        )
+
     def _next_id(self) -> int:
         """The id the next insert would get (AUTOINCREMENT: never one used before, even if pruned)."""
         seq = self.conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
         top = self.conn.execute("SELECT max(id) FROM jobs").fetchone()
         return max(int(seq[0]) if seq else 0, int(top[0] or 0) if top else 0) + 1
+
+    # ------------------------------------------------------------------ what a user keeps
+
+    def _make_room(self, user: str, jobs: int, size: int, limits: Limits) -> None:
+        """Make room for `jobs` more jobs of `size` bytes of this user's: within the limits, or with that
+        user's oldest finished jobs removed; Refused (nothing removed) when that is not enough."""
+        kept, stored = self._kept.get(user, 0), self._bytes.get(user, 0)
+        over_jobs = kept + jobs - limits.kept if limits.kept else 0
+        over_bytes = stored + size - limits.stored_bytes if limits.stored_bytes else 0
+        if over_jobs <= 0 and over_bytes <= 0:
+            return
+        victims, freed_jobs, freed_bytes = self._oldest_finished(user, over_jobs, over_bytes)
+        if freed_jobs < over_jobs:
+            unfinished = self._unfinished.get(user, 0)
+            raise Refused(
+                f"{user} has {kept} jobs kept ({unfinished} unfinished); {jobs} more would pass the limit "
+                f"of {limits.kept} ([queue] max_kept_per_user)"
+            )
+        if freed_bytes < over_bytes:
+            raise Refused(
+                f"{user}'s jobs would keep {(stored - freed_bytes + size) / MIB:.1f} MiB in the queue's "
+                f"database, over the limit of {limits.stored_bytes / MIB:g} MiB "
+                "([queue] max_stored_mib_per_user)"
+            )
+        try:
+            self._delete(victims)
+        except (historydb.Error, OSError) as err:
+            raise self._cannot_store(err) from None
+        log.info("queue: %d finished job(s) of %s removed to keep its limits", len(victims), user)
+
+    def _oldest_finished(self, user: str, jobs: int, size: int) -> Tuple[List[int], int, int]:
+        """This user's finished jobs that may go, oldest end first, until `jobs` and `size` bytes are
+        freed (or none is left): their ids, how many jobs and bytes that frees."""
+        needed, arrays = self._needed()
+        mine = [
+            j
+            for j in self.jobs.values()
+            if j.user == user and j.state in J.ENDED and j.id not in needed and j.array_id not in arrays
+        ]
+        mine.sort(key=lambda j: (j.ended or 0.0, j.id))
+        left = {a: len(m) for a, m in self.arrays.items()}
+        victims: List[int] = []
+        freed = 0
+        for j in mine:
+            if len(victims) >= jobs and freed >= size:
+                break
+            victims.append(j.id)
+            freed += self._size.get(j.id, 0)
+            if j.array_id:
+                left[j.array_id] -= 1
+                freed += self._array_size.get(j.array_id, 0) if left[j.array_id] == 0 else 0
+        return victims, len(victims), freed
+
+    def _needed(self) -> Tuple[Set[int], Set[int]]:
+        """What unfinished jobs still need kept: the jobs they wait on (`--after`); the arrays they wait on,
+        and those they belong to."""
+        live = [j for j in self.jobs.values() if j.state not in J.ENDED]
+        needed = {a for j in live for a in j.after}
+        arrays = {a for j in live for a in j.after_arrays}
+        arrays.update(j.array_id for j in live if j.array_id)
+        return needed, arrays
+
+    def _delete(self, ids: List[int]) -> None:
+        """Remove these jobs (and the shared part of an array whose last element goes), on disk first."""
+        gone_arrays: List[int] = []
+        left = {}
+        for i in ids:
+            a = self.jobs[i].array_id
+            if a:
+                left[a] = left.get(a, len(self.arrays.get(a, {}))) - 1
+        gone_arrays = [a for a, n in left.items() if n <= 0 and a in self._array_size]
+
+        def work() -> None:
+            self.conn.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in ids])
+            self.conn.executemany("DELETE FROM arrays WHERE id = ?", [(a,) for a in gone_arrays])
+
+        self._transaction(work)
+        for i in ids:
+            gone = self.jobs.pop(i)
+            self._tally(gone, -1)
+            self._weigh(gone, self._size.get(i, 0), -1)
+            self.unwritten.pop(i, None)
+            if gone.array_id:
+                members = self.arrays.get(gone.array_id, {})
+                members.pop(gone.array_index, None)
+                if not members:
+                    self.arrays.pop(gone.array_id, None)
+                    size = self._array_size.pop(gone.array_id, 0)
+                    self._bytes[gone.user] = self._bytes.get(gone.user, 0) - size
+        self.version += 1
 
     def prune(self, before: float, batch: int = 500) -> int:
         """Remove the jobs that ended before `before` (wall time), but not one an unfinished job waits on
@@ -273,10 +450,7 @@ class Store:
         removed = 0
         while True:
             with self.lock:
-                live = [j for j in self.jobs.values() if j.state not in J.ENDED]
-                needed = {a for j in live for a in j.after}
-                arrays = {a for j in live for a in j.after_arrays}  # (and its live elements keep an array)
-                arrays.update(j.array_id for j in live if j.array_id)
+                needed, arrays = self._needed()
                 old = [
                     i
                     for i, j in self.jobs.items()
@@ -288,21 +462,7 @@ class Store:
                 ][:batch]
                 if not old:
                     return removed
-                self.conn.execute("BEGIN IMMEDIATE")
-                try:
-                    self.conn.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in old])
-                    self.conn.execute("COMMIT")
-                except BaseException:
-                    self.conn.execute("ROLLBACK")
-                    raise
-                for i in old:
-                    gone = self.jobs.pop(i)
-                    if gone.array_id:
-                        members = self.arrays.get(gone.array_id, {})
-                        members.pop(gone.array_index, None)
-                        if not members:
-                            self.arrays.pop(gone.array_id, None)
-                self.version += 1
+                self._delete(old)
                 removed += len(old)
 
     def change(self, job_id: int, edit: Callable[[Job], Optional[Job]]) -> Optional[Job]:
@@ -312,7 +472,8 @@ class Store:
 
     def change_many(self, edits: Iterable[Tuple[int, Callable[[Job], Optional[Job]]]]) -> List[Optional[Job]]:
         """Several `change`s in one transaction (each edit sees the job as it is now, so a change made by
-        another thread in between is never overwritten with an old copy)."""
+        another thread in between is never overwritten with an old copy). A write that fails (a full
+        disk) does not undo them: they are kept in memory and written with the next write that works."""
         with self.lock:
             out: List[Optional[Job]] = []
             for job_id, edit in edits:
@@ -322,19 +483,51 @@ class Store:
             changed = [j for j in out if j is not None]
             if not changed:
                 return out
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
-                self.conn.executemany(
-                    "UPDATE jobs SET state = ?, ended = ?, data = ? WHERE id = ?",
-                    [(j.state, j.ended, _to_row(j), j.id) for j in changed],
-                )
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            for j in changed:
-                self._tally(self.jobs[j.id], -1)
+            texts = [rows.to_row(j, j.array_id in self._array_size) for j in changed]
+            for j, text in zip(changed, texts):
+                old = self.jobs[j.id]
+                self._tally(old, -1)
+                self._weigh(old, self._size.get(j.id, 0), -1)
                 self.jobs[j.id] = j
                 self._tally(j, 1)
+                self._weigh(j, len(text), 1)
+                self.unwritten[j.id] = text
+            self._flush()
             self.version += 1
             return out
+
+    def flush(self, now: float) -> None:
+        """Write the changes a failed write left in memory (at most every RETRY_SECONDS while it fails)."""
+        with self.lock:
+            if self.unwritten and now >= self._retry_at:
+                self._retry_at = now + RETRY_SECONDS
+                self._flush()
+
+    def _flush(self) -> bool:
+        """Write every change not on disk yet; whether that worked (one log line when writes start to
+        fail, one when they work again)."""
+        if not self.unwritten:
+            return True
+        pending = [(self.jobs[i], text) for i, text in self.unwritten.items()]
+        try:
+            self._transaction(
+                lambda: self.conn.executemany(
+                    "UPDATE jobs SET state = ?, ended = ?, data = ? WHERE id = ?",
+                    [(j.state, j.ended, text, j.id) for j, text in pending],
+                )
+            )
+        except (historydb.Error, OSError) as err:
+            if self.failing is None:
+                self.failing = str(err)
+                log.error(
+                    "queue: cannot write to %s (%s): jobs' changes are kept in memory and written once it "
+                    "works again; submits are refused meanwhile",
+                    self.path,
+                    err,
+                )
+            return False
+        if self.failing is not None:
+            log.warning("queue: %s is written again (%d job change(s) that waited)", self.path, len(pending))
+            self.failing = None
+        self.unwritten.clear()
+        return True
