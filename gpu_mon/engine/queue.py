@@ -61,7 +61,8 @@ _WRAPPER = (
     'cd -- "$1" 2>/dev/null || fail "cannot enter $1" "$([ -d "$1" ] && echo Permission denied '
     '|| echo No such directory)"; '
     '[ "$3" = - ] || e=$( (umask 077; mkdir -p -- "$3") 2>&1) || fail "cannot make $3" "$e"; '
-    'e=$( (umask 077; : >>"$2") 2>&1) || fail "cannot open $2" "$e"; '
+    'e=$( (umask 077; : >>"$2") 2>&1) || { [ -d "${2%/*}/" ] || e="No such file or directory"; '
+    'fail "cannot open $2" "$e"; }; '
     'exec >>"$2" 2>&1 || exit 126; shift 3; exec "$@"'
 )
 _CLOCK = "%H:%M:%S"  # the time in the lines written into a job's output
