@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 from conftest import wait_for
@@ -120,7 +119,7 @@ def test_a_job_whose_output_directory_went_away_says_the_true_cause(lab, daemon_
     failed = lab.wait_state(ann, job, "failed")
     cause = f"cannot open {logs}/{job}.log: No such file or directory"
     assert failed["reason"] == cause, failed
-    wait_for(lambda: (ann.work / "hook.log").exists(), 20, "the hook")
-    assert Path(ann.work / "hook.log").read_text() == f"failed: {cause}\n"
+    hook_said = lambda: (ann.work / "hook.log").exists() and (ann.work / "hook.log").read_text()  # noqa: E731
+    assert wait_for(hook_said, 20, "the hook") == f"failed: {cause}\n"
     r = lab.run(ann, "logs", str(job))
     assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {job} has no output: {cause}\n")
