@@ -109,3 +109,26 @@ def test_a_job_still_running_when_a_stopped_gpu_mon_is_killed_goes_back_to_the_q
     assert job["restarts"] == 1
     assert lab.run(user, "cancel", "1").returncode == 0
     lab.wait_state(user, 1, "cancelled")
+
+
+def test_the_end_record_is_roots_and_whole_or_not_taken(tmp_path):
+    from gpu_mon.engine.workloads import ends
+
+    where = ends.path(str(tmp_path), 17, 2)
+    assert where.endswith("/gpu-mon-job-17-r2.end")
+    ends.write(where, ends.End(143, 15, 1700000000.5))
+    assert ends.read(where) == ends.End(143, 15, 1700000000.5)
+    assert os.stat(where).st_mode & 0o777 == 0o600
+    os.chown(where, 65534, 65534)  # (one another user made there is not a record)
+    assert ends.read(where) is None
+    ends.remove(where)
+    Path(where).write_text("0 0")  # (half a record)
+    assert ends.read(where) is None
+    os.unlink(where)
+    os.symlink(tmp_path / "elsewhere", where)
+    assert ends.read(where) is None
+    # a unit's end: what systemd-run said of the main process
+    said = "Running as unit: u\nMain processes terminated with: code=killed/status=TERM\nCPU time: 1s\n"
+    assert ends.of_unit(said) == (143, 15)
+    assert ends.of_unit("Main processes terminated with: code=exited/status=3\n") == (3, 0)
+    assert ends.of_unit("Failed to start transient service unit\n") is None

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import stat
 from typing import NamedTuple, Optional
 
 _SIZE = 128
 # systemd-run's line as a unit ends (transient.py): the unit's main process's own end
-_UNIT_ENDED = re.compile(r"^Main processes terminated with: code=(\w+)/status=(\w+)$", re.M)
+_UNIT_ENDED = r"^Main processes terminated with: code=(\w+)/status=(\w+)$"
 
 
 class End(NamedTuple):
@@ -83,7 +82,9 @@ def of_status(status: int) -> tuple:
 
 def of_unit(text: str) -> Optional[tuple]:
     """(code, signal) from what `systemd-run --wait` said as its unit ended; None when it said nothing."""
-    found = _UNIT_ENDED.findall(text)
+    import re  # (only a unit's leader needs it: the others start without)
+
+    found = re.findall(_UNIT_ENDED, text, re.M)
     if not found:
         return None
     kind, value = found[-1]
