@@ -21,7 +21,7 @@ from gpu_mon.queue.fields import Bad
 # dash's and bash's own PATH when the environment has none (a job started without one gets the same)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _PATTERN = re.compile(r"%[%Aaj]")
-_TIMEOUT = 10.0  # seconds (a hung network file system: refused, said so)
+_TIMEOUT = 3.0  # seconds (a hung network or FUSE file system: refused, said so; the server waits meanwhile)
 # $1 submit directory, $2 command, $3 --output (a pattern, perhaps) or -, $4 its directory, $5 home or -,
 # $6 the default output directory. Its last line on stdout: `ok`, or what is wrong. (Not its exit status:
 # the daemon is a child subreaper, and its loop may reap a child of its own that has ended.)
