@@ -144,6 +144,7 @@ def test_the_leader_stays_light():
     heavy = [m for m in loaded if m.startswith(FRONT) and m not in allowed]
     assert heavy == [
         "gpu_mon.engine.workloads.cgroups",
+        "gpu_mon.engine.workloads.ends",
         "gpu_mon.engine.workloads.leader",
         "gpu_mon.engine.workloads.linux",
     ]

@@ -71,10 +71,13 @@ def test_the_default_output_is_made_as_the_user_under_the_passwd_home_whatever_h
 def test_a_job_whose_output_cannot_be_opened_fails_saying_which_file_and_why(lab: Lab, daemon_factory):  # noqa: F811
     d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
     wait_for(lab.socket.exists, 20, "the queue's socket")
-    closed = lab.dir / "roots"  # root's directory: the user may not write in it
-    closed.mkdir(mode=0o755)
+    closed = lab.dir / "roots"  # root's directory: the user may not write in it (once it is submitted:
+    closed.mkdir()  # submit refuses an output the user cannot open then, test_queue_submit_checks.py)
+    os.chmod(closed, 0o777)
     target = closed / "out.log"
-    job_id = lab.submit(lab.alice, "--output", str(target), *lab.job_cmd("exit", "0"))
+    job_id = lab.submit(lab.alice, "--hold", "--output", str(target), *lab.job_cmd("exit", "0"))
+    os.chmod(closed, 0o755)
+    assert lab.run(lab.alice, "release", str(job_id)).returncode == 0
     job = lab.wait_state(lab.alice, job_id, "failed")
     assert job["reason"] == f"cannot open {target}: Permission denied"
     assert not target.exists() and not lab.reports(lab.alice, job_id)  # its command never ran

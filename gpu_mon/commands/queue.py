@@ -533,7 +533,9 @@ def _logs(args: argparse.Namespace, socket: str) -> int:
     output = _Output(path, answer.get("uid"), answer.get("gid"))
     offset = output.print_from(0, quiet=args.follow or state in (J.QUEUED, J.HELD))
     if offset is None and not args.follow:
-        raise CliError(f"job {args.id} has no output yet ({path})", base.EXIT_FAILURE)
+        why = answer.get("reason") if state == J.FAILED else ""  # (its output could not be opened: why)
+        said = f": {why}" if why else f" yet ({path})"
+        raise CliError(f"job {args.id} has no output{said}", base.EXIT_FAILURE)
     while args.follow and state not in J.ENDED:
         time.sleep(_POLL_SECONDS)
         (job,) = _ask(socket, {"op": "jobs", "ids": [args.id]})["jobs"]

@@ -35,7 +35,7 @@ from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
 from gpu_mon.engine.hookleader import LeaderHooks
 from gpu_mon.engine.lock import DaemonLock
 from gpu_mon.engine.outside import UserUnits
-from gpu_mon.engine.workloads import transient
+from gpu_mon.engine.workloads import ends, transient
 from gpu_mon.engine.workloads.stopping import StopRule
 from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
 from gpu_mon.engine.workloads.transient import Unit
@@ -63,7 +63,8 @@ _WRAPPER = (
     'cd -- "$1" 2>/dev/null || fail "cannot enter $1" "$([ -d "$1" ] && echo Permission denied '
     '|| echo No such directory)"; '
     '[ "$3" = - ] || e=$( (umask 077; mkdir -p -- "$3") 2>&1) || fail "cannot make $3" "$e"; '
-    'e=$( (umask 077; : >>"$2") 2>&1) || fail "cannot open $2" "$e"; '
+    'e=$( (umask 077; : >>"$2") 2>&1) || { [ -d "${2%/*}/" ] || e="No such file or directory"; '
+    'fail "cannot open $2" "$e"; }; '
     'exec >>"$2" 2>&1 || exit 126; shift 3; exec "$@"'
 )
 _CLOCK = "%H:%M:%S"  # the time in the lines written into a job's output
@@ -111,6 +112,7 @@ class Queue:
         self.exits: List[Exited] = []
         self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
         self.orphan_units: Dict[int, Unit] = {}  # job -> its unit that an old daemon started, still running
+        self.adopted: Set[int] = set()  # jobs found running whose old processes are stopping (orphans)
         self.next_wake: Optional[float] = None
         self.dirty = True
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
@@ -156,8 +158,12 @@ class Queue:
             alive = _alive(job.leader_pid, job.leader_ticks)
             if self.systemd and self._unit_left(job, alive):
                 alive = True
+            if not alive and self._ended_while_down(job):
+                continue
             if alive:
                 self.orphans[job.id] = (job.leader_pid, job.leader_ticks)
+                if job.state == J.RUNNING:
+                    self.adopted.add(job.id)
                 self.store.change(
                     job.id, lambda j: j if j.state == J.STOPPING else J.stopping(j, J.STOP_RESTART)
                 )
@@ -169,6 +175,34 @@ class Queue:
                     log.info("queue: job %s was running when gpu-mon stopped: back in the queue", J.ref(job))
                 elif new is not None:
                     log.info("queue: job %s was stopping when gpu-mon stopped: %s", J.ref(job), new.state)
+
+    def _end_path(self, job: Job) -> str:
+        return ends.path(self.run_dir, job.id, job.restarts)
+
+    def _ended_while_down(self, job: Job, was_running: bool = False) -> bool:
+        """A job whose run's leader is gone: if its command's end was recorded (ends.py; the run ended while
+        gpu-mon was stopped, hung or dying), it ends with that end, as if seen then; True. was_running: it
+        was running when found (its stop since was this daemon's, not its end's cause)."""
+        where = self._end_path(job)
+        end = ends.read(where)
+        if end is None:
+            ends.remove(where)
+            return False
+        said = self._unit_said(job)  # (its files removed)
+
+        def own(j: Job) -> Optional[Job]:
+            if j.state not in J.LIVE:
+                return None
+            j = dataclasses.replace(j, state=J.RUNNING) if was_running and j.reason == J.STOP_RESTART else j
+            new = J.ended(j, end.wall, end.code, end.signal)
+            return _reason(new, said) if new.state == J.FAILED and said else new
+
+        new = self.store.change(job.id, own)
+        ends.remove(where)
+        if new is not None:
+            how = words.exit_status(end.code, end.signal)
+            log.info("queue: job %d %s while gpu-mon was not there to see it: %s", job.id, how, new.state)
+        return new is not None
 
     def _unit_left(self, job: Job, leader_alive: bool) -> bool:
         """Whether the unit of the job's last run still has processes (it is then waited for). Without its
@@ -528,6 +562,8 @@ class Queue:
                 J.ended(j, wall, rc, sig) if j.state in J.LIVE else None
             ),
         )
+        if job is not None:
+            ends.remove(self._end_path(job))  # (seen: the record is no longer needed)
         if job is None or new is None:
             return
         said = self._unit_said(job)  # (the file goes, whatever ended the run)
@@ -556,7 +592,9 @@ class Queue:
 
     def _launch(self, job: Job, gpus: Tuple[str, ...]) -> Launch:
         """The job run directly, or (systemd) `systemd-run` starting it as a unit of its own."""
-        direct = _launch(job, gpus)
+        end_file = self._end_path(job)
+        ends.remove(end_file)  # (one left by an earlier run of this number: never taken for this one's)
+        direct = dataclasses.replace(_launch(job, gpus), end_file=end_file)
         if not self.systemd:
             return direct
         name = transient.unit_name(job.id, job.restarts)
@@ -575,7 +613,9 @@ class Queue:
             stderr=transient.stderr_file(self.run_dir, name),
         )
         unit = Unit(name, transient.unit_group(name), bound=self.bind_to is not None)
-        return Launch(argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit)
+        return Launch(
+            argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit, end_file=end_file
+        )
 
     def _orphans_gone(self) -> None:
         gone = [i for i, (pid, ticks) in self.orphans.items() if not _alive(pid, ticks)]
@@ -586,6 +626,10 @@ class Queue:
             self.orphan_units.pop(job_id, None)
             self.force_place = True
             job = self.store.get(job_id)
+            was_running = job_id in self.adopted
+            self.adopted.discard(job_id)
+            if job is not None and self._ended_while_down(job, was_running):
+                continue
             if job is not None:
                 self._unit_said(job)  # (its file removed)
             new = self.store.change(

@@ -147,6 +147,7 @@ def environment(n: Notice) -> Dict[str, str]:
         GPU_MON_JOB_NAME=j.name,
         GPU_MON_JOB_STATE=n.state,
         GPU_MON_JOB_EXIT="" if n.exit is None else str(n.exit),
+        GPU_MON_JOB_REASON=j.reason,  # (why it ended as it did: `cannot open /x/3.log: ...`)
     )
     if j.array_id:
         env.update(GPU_MON_ARRAY_ID=str(j.array_id), GPU_MON_ARRAY_INDEX=str(j.array_index))

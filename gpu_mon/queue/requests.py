@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tupl
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, fields
+from gpu_mon.queue import arrays, fields, submitcheck
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.jobs import Job
@@ -103,6 +103,7 @@ class Requests:
         self._allowed(user)
         spec = self._array(req)
         job = self._job_from(peer, user, req)
+        _can_start(job, user)
         q, limits = self.queue, kept_limits(self.queue)
         try:
             if spec is not None:
@@ -488,7 +489,13 @@ class Requests:
 
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))
-        return {"path": output_of(job), "state": job.state, "uid": job.uid, "gid": job.gid}  # (whose: logs)
+        return {
+            "path": output_of(job),
+            "state": job.state,
+            "reason": job.reason,
+            "uid": job.uid,  # (whose: logs reads it as its owner)
+            "gid": job.gid,
+        }
 
 
 def kept_limits(q: QueueSection) -> Limits:
@@ -529,6 +536,15 @@ def _drained_dict(drained: Optional[Drained]) -> Optional[dict]:
 def _drained_json(drained: Optional[Drained]) -> str:
     """The `drained` of a `jobs` answer: null, or who drained the queue and when."""
     return json.dumps(_drained_dict(drained), separators=(",", ":"))
+
+
+def _can_start(job: Job, user: pwd.struct_passwd) -> None:
+    """Bad (one line) when what is known now says the job cannot start: checked as its user
+    (submitcheck.py). A job with no command (a request that skipped the client) is refused by the door."""
+    home = None if job.output else (user.pw_dir, os.path.join(user.pw_dir, DEFAULT_OUTPUT))
+    path = job.env_dict.get("PATH")
+    groups = groups_of(job.uid, job.gid)
+    submitcheck.check(job.uid, job.gid, groups, job.cwd, job.command, path, job.output, home)
 
 
 def output_of(job: Job) -> str:

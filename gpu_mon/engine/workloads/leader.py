@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Optional
 
-from gpu_mon.engine.workloads import cgroups, linux
+from gpu_mon.engine.workloads import cgroups, ends, linux
 
 # The parent-death signal: only the kernel sends it, when the daemon's thread that started us exits (the
 # daemon is dying). A real-time signal, so that it is never a workload's stop_signal sent to the group, nor
@@ -81,6 +81,10 @@ class Leader:
         self.main_status: Optional[int] = None
         self.deadline: Optional[float] = None
         self.killed = False
+        # A queue job's end record (ends.py): written as the command ends, before the daemon is told
+        self.end_file: Optional[str] = spec.get("end_file")
+        self.daemon_gone = False  # the daemon died before the command ended: its end is not its own
+        self.unit_said = ""  # what systemd-run said on its stderr (a unit's: read as it ends)
 
     def report(self, line: str) -> None:
         """One line to the daemon; a gone daemon is not an error here (we are stopping anyway)."""
@@ -98,7 +102,7 @@ class Leader:
         if s.get("switch_user"):
             kwargs.update(user=s["uid"], group=s["gid"], extra_groups=list(s["groups"]))
         note_w = None
-        if s.get("note_stderr"):
+        if s.get("note_stderr") or (self.unit and self.end_file):
             # What the command says on stderr before it sends it elsewhere (a queue job's wrapper: why its
             # output file cannot be opened) is read when it ends, and becomes the workload's `error` line.
             self.note_fd, note_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -226,7 +230,26 @@ class Leader:
                 self.child.returncode = 0  # stop Popen from waiting on it again
                 self.main_status = status
                 self.read_note()
+                self.record_end(status)  # (first: the daemon may be stopped, or die before it reads)
                 self.report(f"exit {status}")
+
+    def record_end(self, status: int) -> None:
+        """Write the command's end where the next daemon finds it (ends.py): only an end of its own, never
+        one that followed the daemon's death (the leader, or systemd with the daemon's unit, stopped it
+        then: that run goes back to the queue). A unit's end is what systemd-run said of its main process."""
+        if not self.end_file or self.daemon_gone:
+            return
+        if self.unit:
+            if DAEMON_GONE in signal.sigpending():
+                return  # (systemd may have stopped the unit with the daemon's: not its own end)
+            found = ends.of_unit(self.unit_said)
+            if found is None:
+                return
+            code, sig = found
+        else:
+            code, sig = ends.of_status(status)
+        with contextlib.suppress(OSError):
+            ends.write(self.end_file, ends.End(code, sig, time.time()))
 
     def read_note(self) -> None:
         """The last line the command wrote on its stderr before redirecting it, as an `error` line."""
@@ -238,6 +261,12 @@ class Leader:
             data = b""
         os.close(self.note_fd)
         self.note_fd = None
+        if self.unit:
+            # systemd-run's own lines: passed on to the daemon as before (it reads the unit's end there)
+            self.unit_said = data.decode("utf-8", "backslashreplace")
+            with contextlib.suppress(OSError):
+                os.write(2, data)
+            return
         lines = [line for line in data.decode("utf-8", "backslashreplace").splitlines() if line.strip()]
         if lines:
             self.report(f"error {lines[-1]}")
@@ -265,6 +294,10 @@ class Leader:
             )
             if info is not None and info.si_signo == MAIN_STOP:
                 self.signal_main()
+            elif info is not None and info.si_signo == DAEMON_GONE and not self.daemon_gone:
+                self.reap()  # a command that had ended already ended on its own: recorded as such
+                self.daemon_gone = True
+                self.begin_stop(daemon_alive=False)
             elif info is not None and info.si_signo != signal.SIGCHLD:
                 # (the daemon's SIGTERM always goes to the whole group: supervisor.py's _killpg)
                 from_daemon = info.si_signo == signal.SIGTERM and info.si_pid == self.daemon_pid

@@ -76,6 +76,8 @@ class Launch:
     unit: Optional[Unit] = None
     # the last line the command writes on stderr before redirecting it is why it ended (leader.py)
     note_stderr: bool = False
+    # a queue job's: where the leader records the command's end before it says so (ends.py)
+    end_file: Optional[str] = None
 
 
 @dataclass
@@ -232,6 +234,7 @@ class Supervisor:
             "stop_signal": rule.signal,
             "stop_main_only": rule.main_only,
             "note_stderr": launch.note_stderr,
+            "end_file": launch.end_file,
             "stop_timeout_seconds": rule.grace,
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
             "cgroup": self._contain(popen.pid, label),

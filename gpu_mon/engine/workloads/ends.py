@@ -1,0 +1,100 @@
+"""A job's end, kept where only root writes: the leader (leader.py) writes it the moment the job's main
+process has ended, before it tells the daemon, so that an end that came while gpu-mon was stopped, hung or
+dying is found by the next daemon and recorded (never run again). One small file per run, in the state
+file's directory (/run/gpu_mon: gone at a reboot), `gpu-mon-job-ID-rRESTARTS.end`, made 0600 under a
+temporary name (O_EXCL, never through a link) and renamed into place, so that it is whole or absent.
+It holds `CODE SIGNAL WALL`: the exit code (128 + signal when killed), the signal (0: it exited) and when.
+
+Standard library only: the leader imports it, and starts in tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+from typing import NamedTuple, Optional
+
+_SIZE = 128
+# systemd-run's line as a unit ends (transient.py): the unit's main process's own end
+_UNIT_ENDED = r"^Main processes terminated with: code=(\w+)/status=(\w+)$"
+
+
+class End(NamedTuple):
+    """How one run's main process ended."""
+
+    code: int  # the exit code; 128 + the signal when one killed it
+    signal: int  # the signal that killed it (0: it exited)
+    wall: float  # when (time.time())
+
+
+def path(directory: str, job_id: int, restarts: int) -> str:
+    """The record of one run of a job."""
+    return os.path.join(directory, f"gpu-mon-job-{job_id}-r{restarts}.end")
+
+
+def write(where: str, end: End) -> None:
+    """Write the record (OSError if it cannot be: the caller goes on without it)."""
+    tmp = f"{where}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, f"{end.code} {end.signal} {end.wall:.3f}\n".encode("ascii"))
+    finally:
+        os.close(fd)
+    os.rename(tmp, where)
+
+
+def read(where: str) -> Optional[End]:
+    """The record, if there is a whole one that root wrote (a file anyone else made there is not one)."""
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return None
+        parts = os.read(fd, _SIZE).decode("ascii").split()
+        code, sig, wall = int(parts[0]), int(parts[1]), float(parts[2])
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    return End(code, sig, wall) if 0 <= code <= 255 and 0 <= sig < 128 else None
+
+
+def remove(where: str) -> None:
+    """The record has been taken (or is stale): gone, with any half-written one."""
+    for name in (where, f"{where}.tmp"):
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+def of_status(status: int) -> tuple:
+    """(code, signal) of a wait status."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status), os.WTERMSIG(status)
+    return (os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1), 0
+
+
+def of_unit(text: str) -> Optional[tuple]:
+    """(code, signal) from what `systemd-run --wait` said as its unit ended; None when it said nothing."""
+    import re  # (only a unit's leader needs it: the others start without)
+
+    found = re.findall(_UNIT_ENDED, text, re.M)
+    if not found:
+        return None
+    kind, value = found[-1]
+    if kind == "exited":
+        return (int(value), 0) if value.isdigit() else None
+    name = value if value.startswith("SIG") else f"SIG{value}"
+    try:
+        sig = int(signal.Signals[name])
+    except KeyError:
+        if not value.isdigit():
+            return None
+        sig = int(value)
+    return 128 + sig, sig
