@@ -16,6 +16,7 @@ import os
 import pwd
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from gpu_mon.api.text import sanitize
@@ -75,11 +76,24 @@ class Requests:
         for j in self.store.all():
             self.listing.prepare(j)
 
-    def answer(self, peer: Peer, req: dict) -> Union[dict, Encoded, Pages]:
-        """The answer to one request (never raises for bad input)."""
+    def check_submit(self, peer: Peer, req: dict) -> Optional[dict]:
+        """The slow part of a submit, for a thread of its own (the server's never waits on it): the job
+        checked as its user (submitcheck.py: a user's file system may hang). None: answer it with
+        `answer(peer, req, checked=True)`; else the refusal."""
+        try:
+            user = _user(peer.uid)
+            self._allowed(user)
+            _can_start(self._job_from(peer, user, req), user)
+        except Bad as err:
+            return {"ok": False, "error": str(err), "code": err.code}
+        return None
+
+    def answer(self, peer: Peer, req: dict, checked: bool = False) -> Union[dict, Encoded, Pages]:
+        """The answer to one request (never raises for bad input); `checked`: a submit that passed
+        check_submit."""
         op = req.get("op")
         handler = {
-            "submit": self._submit,
+            "submit": partial(self._submit, checked=checked),
             "jobs": self._jobs,
             "cancel": self._cancel,
             "hold": self._hold,
@@ -99,11 +113,12 @@ class Requests:
 
     # ------------------------------------------------------------------ submit
 
-    def _submit(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+    def _submit(self, peer: Peer, user: pwd.struct_passwd, req: dict, checked: bool = False) -> dict:
         self._allowed(user)
         spec = self._array(req)
         job = self._job_from(peer, user, req)
-        _can_start(job, user)
+        if not checked:
+            _can_start(job, user)
         q, limits = self.queue, kept_limits(self.queue)
         try:
             if spec is not None:

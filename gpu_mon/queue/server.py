@@ -29,9 +29,11 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Dict, Iterator, List, Optional, Union
 
 from gpu_mon.queue.budget import Budget
+from gpu_mon.queue.checking import Checks
 from gpu_mon.queue.protocol import (
     MAX_ANSWER,
     PAGE_BYTES,
@@ -47,6 +49,7 @@ log = logging.getLogger("gpu_mon")
 
 CLIENT_SECONDS = 3.0  # to send its request; as long again to read the answer (each page of it)
 PARK_SECONDS = 30.0  # an answer waits at most this long for its turn to be made
+CHECK_SECONDS = 60.0  # a submit waits at most this long for its check (its own is 3 s; others' before it)
 MAX_CONNECTIONS = 4000
 MAX_USER_CONNECTIONS = 32  # one user's connections at once (root's are not counted)
 REQUEST_BYTES_PER_USER = 16 << 20  # received bytes of one user's requests not yet complete
@@ -75,6 +78,7 @@ class _Conn:
     parked: bool = False  # waiting for answer bytes to be given back before its next page is made
     held_in: int = 0  # bytes of its request counted in Server.requests_held
     held_out: int = 0  # bytes of its answer counted in Server.answers_held
+    request: Optional[dict] = None  # a submit waiting for its check as its user (checking.py)
 
 
 class Server:
@@ -87,12 +91,14 @@ class Server:
         self.listener: Optional[socket.socket] = None
         self.thread: Optional[threading.Thread] = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()
         self._stopping = False
         self.max_conns = _max_connections()
         self.per_uid: Dict[int, int] = {}  # connections of each user now
         self.requests_held = Budget(REQUEST_BYTES_PER_USER, REQUEST_BYTES)
         self.answers_held = Budget(ANSWER_BYTES_PER_USER, ANSWER_BYTES)
         self.parked: List[_Conn] = []  # in the order they began to wait
+        self.checks: Checks[_Conn] = Checks(self._poke)
 
     def start(self) -> None:
         """Make the socket and start serving; ServerError when the socket cannot be made."""
@@ -136,8 +142,10 @@ class Server:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
         self.sel.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
 
     # ------------------------------------------------------------------ the thread
 
@@ -164,6 +172,8 @@ class Server:
         elif what == "wake":
             with contextlib.suppress(OSError):
                 os.read(self._wake_r, 4096)
+            for conn, refusal in self.checks.done():
+                self._checked(conn, refusal)
         elif isinstance(what, _Conn) and not what.parked and self.conns.get(what.sock.fileno()) is what:
             if mask & selectors.EVENT_READ and not what.answered:
                 self._read(what)
@@ -230,7 +240,34 @@ class Server:
         self._hold_request(conn, len(conn.reader.buf) if req is None else 0)
         if req is None or conn.sock.fileno() not in self.conns:
             return
+        if req.get("op") == "submit":
+            self._check(conn, req)
+            return
         self._answer(conn, self.requests.answer(conn.peer, req))
+
+    def _check(self, conn: _Conn, req: dict) -> None:
+        """A submit: its check as its user runs in a thread of its own; the connection waits for it."""
+        self.sel.unregister(conn.sock)
+        conn.request, conn.deadline = req, time.monotonic() + CHECK_SECONDS
+        self.checks.add(conn.peer.uid, conn, partial(self.requests.check_submit, conn.peer, req))
+
+    def _checked(self, conn: _Conn, refusal: Optional[dict]) -> None:
+        """Its check has ended: the refusal, or the submit itself (here, in the server's thread)."""
+        req, conn.request = conn.request, None
+        if req is None or self.conns.get(conn.sock.fileno()) is not conn:
+            return  # (closed meanwhile: nothing is queued)
+        self.sel.register(conn.sock, selectors.EVENT_READ, conn)
+        if _left(conn.sock):
+            self._close(conn)  # (the client is gone: nothing is queued, as it was told nothing)
+            return
+        self._answer(conn, refusal or self.requests.answer(conn.peer, req, checked=True))
+
+    def _poke(self) -> None:
+        """Wake the server thread (from a check's thread): never once the pipe is closed (its number may
+        be another file's by then)."""
+        with self._wake_lock, contextlib.suppress(OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"\0")
 
     def _hold_request(self, conn: _Conn, size: int) -> None:
         """Count the connection's unfinished request as `size` bytes; past a limit, refuse (one line)
@@ -346,6 +383,9 @@ class Server:
             self.per_uid.pop(uid, None)
         if conn.parked:
             self.parked.remove(conn)
+        if conn.request is not None:
+            self.checks.forget(conn)
+            conn.request = None
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
@@ -353,6 +393,16 @@ class Server:
         self.requests_held.give(uid, conn.held_in)
         conn.held_in = 0
         self._set_out(conn, b"")
+
+
+def _left(sock: socket.socket) -> bool:
+    """Whether the client has closed its end (or it broke)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _frame(answer: Union[dict, Encoded]) -> bytes:
