@@ -363,7 +363,16 @@ def test_a_unit_systemd_refuses_fails_the_job_with_the_reason_in_the_log(lab: La
 
 def test_a_job_whose_output_cannot_be_opened_fails_with_what_its_unit_said(lab: Lab):
     target = "/var/lib/gpu_mon/out.log"  # (gpu-mon's state directory: root's, the user may not write in it)
-    job = lab.submit("exit", "0", options=("--output", target))
+    with pytest.raises(AssertionError, match=f"cannot open {target}: Permission denied"):
+        lab.submit("exit", "0", options=("--output", target))  # (the client checks as the user first)
+    # Made unwritable after the submit (the client's check passed): the unit says why it cannot start.
+    mine = f"/home/{USER}/closed"
+    lab.box.run(["install", "-d", "-o", USER, mine])
+    target = f"{mine}/out.log"
+    job = lab.submit("exit", "0", options=("--output", target, "--hold"))
+    lab.box.run(["chown", "root:root", mine])
+    lab.box.run(["chmod", "0755", mine])
+    lab.box.run([_gpu_mon(), "--config", CLIENT_CONF, "release", str(job)])
     failed = lab.wait_job(job, "failed")
     assert failed["reason"] == f"cannot open {target}: Permission denied", failed
     assert failed["exit_status"] == 126 and not lab.box.path(target).exists()

@@ -243,6 +243,7 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
     if args.array is not None and len(args.array) > arrays.MAX_SPEC:
         size = len(args.array)
         raise CliError(f"--array: the spec is too long ({size} characters; at most {arrays.MAX_SPEC})")
+    _check_as_me(req)
     answer = _ask(socket, req)
     elements = answer.get("elements")
     if args.json:
@@ -255,6 +256,28 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
     sys.stdout.flush()
     waiting.answered = True
     return _wait(waiting, [int(answer["id"])]) if args.wait else base.EXIT_OK
+
+
+def _check_as_me(req: dict) -> None:
+    """What can be known now, checked as the user who submits, where the job will see the files (a job in
+    a unit of its own sees the user's, not the daemon's sandbox): one line and nothing queued."""
+    import pwd
+
+    from gpu_mon.queue import submitcheck
+    from gpu_mon.queue.fields import Bad
+
+    try:
+        home = pwd.getpwuid(os.getuid()).pw_dir  # (the job's output goes under its passwd home, not $HOME)
+    except KeyError:
+        raise CliError(f"uid {os.getuid()} has no passwd entry: a job cannot be run as it") from None
+    default = None if req["output"] else (home, os.path.join(home, DEFAULT_OUTPUT))
+    path = req["env"].get("PATH")
+    try:
+        submitcheck.check(
+            os.getuid(), os.getgid(), os.getgroups(), req["cwd"], req["command"], path, req["output"], default
+        )
+    except Bad as err:
+        raise CliError(str(err), err.code) from None
 
 
 def _stop_signal(text: str) -> str:

@@ -106,7 +106,9 @@ class Queue:
             self.lock.release()
             raise
         self.view = View()
-        self.requests = Requests(self.store, self.q, lambda: self.view, self._changed)
+        self.requests = Requests(
+            self.store, self.q, lambda: self.view, self._changed, checks_here=not self.systemd
+        )
         self.server = Server(self.q.socket, self.requests)
         self.pruner = Pruner(self.store, lambda: self.q, wall)  # finished jobs, after keep_finished_days
         self.exits: List[Exited] = []

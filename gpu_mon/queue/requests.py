@@ -66,9 +66,18 @@ class Requests:
     """Answers one request at a time (the server calls it from its own thread)."""
 
     def __init__(
-        self, store: Store, queue: QueueSection, view: Callable[[], View], changed: Callable[[], None]
+        self,
+        store: Store,
+        queue: QueueSection,
+        view: Callable[[], View],
+        changed: Callable[[], None],
+        checks_here: bool = True,
     ):
         self.store, self.queue, self.view, self.changed = store, queue, view, changed
+        # Whether a job sees the files the daemon sees (its own children): then a submit is checked here
+        # too; a job in a unit of its own sees the user's (the daemon's sandbox hides homes and /tmp),
+        # where the client, the user, has checked it.
+        self.checks_here = checks_here
         self.listing = Listing()  # each job's JSON as `jobs` last sent it
 
     def prepare(self) -> None:
@@ -83,7 +92,9 @@ class Requests:
         try:
             user = _user(peer.uid)
             self._allowed(user)
-            _can_start(self._job_from(peer, user, req), user)
+            job = self._job_from(peer, user, req)
+            if self.checks_here:
+                can_start(job, user)
         except Bad as err:
             return {"ok": False, "error": str(err), "code": err.code}
         return None
@@ -117,8 +128,8 @@ class Requests:
         self._allowed(user)
         spec = self._array(req)
         job = self._job_from(peer, user, req)
-        if not checked:
-            _can_start(job, user)
+        if not checked and self.checks_here:
+            can_start(job, user)
         q, limits = self.queue, kept_limits(self.queue)
         try:
             if spec is not None:
@@ -553,7 +564,7 @@ def _drained_json(drained: Optional[Drained]) -> str:
     return json.dumps(_drained_dict(drained), separators=(",", ":"))
 
 
-def _can_start(job: Job, user: pwd.struct_passwd) -> None:
+def can_start(job: Job, user: pwd.struct_passwd) -> None:
     """Bad (one line) when what is known now says the job cannot start: checked as its user
     (submitcheck.py). A job with no command (a request that skipped the client) is refused by the door."""
     home = None if job.output else (user.pw_dir, os.path.join(user.pw_dir, DEFAULT_OUTPUT))
