@@ -58,7 +58,7 @@ if mode == "submit":
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         s.sendall(frame({"op": "submit", "command": ["true", "\x01" * int(sys.argv[4])], "cwd": "/",
-                         "env": {"PATH": "/bin"}, "hold": True}))
+                         "env": {"PATH": "/bin"}, "hold": True, "output": "/tmp/gpu-mon-bench-%j.log"}))
         data = b""
         while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
             chunk = s.recv(65536)
@@ -166,6 +166,13 @@ def status_kb(pid: int, key: str) -> Optional[int]:
     return None
 
 
+def _no_storage_caps(code: Path) -> str:
+    """The per-user storage caps off, in a version that has them (the load is about memory, not disk)."""
+    schema = code / "gpu_mon" / "config" / "schema_features.py"
+    known = schema.exists() and "max_stored_mib_per_user" in schema.read_text()
+    return "max_kept_per_user = 0\nmax_stored_mib_per_user = 0\n" if known else ""
+
+
 class Run:
     """One daemon under test (this checkout or the baseline)."""
 
@@ -179,7 +186,7 @@ class Run:
             f"[defaults]\nstate_file = {self.dir / 'state.json'}\ninterval_seconds = 2\n"
             f"[history]\nenabled = no\n[gpu-all]\ngpus = ALL\n"
             f"[queue]\nsocket = {self.socket}\ndatabase = {self.dir / 'queue.sqlite'}\n"
-            f"max_queued_per_user = 100000\n"
+            f"max_queued_per_user = 100000\n{_no_storage_caps(code)}"
         )
         self.daemon, self.log = start_daemon(self.dir, self.conf, str(code))
         deadline = time.monotonic() + 60
