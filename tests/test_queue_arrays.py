@@ -22,6 +22,7 @@ from test_queue import Lab, made_lab, queue_body
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import arrays, hooks, placement
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.listing import elapsed
 from gpu_mon.queue.store import Refused, Store
 
 GROUP = "gmalab"
@@ -366,6 +367,8 @@ def test_a_grouped_line_shows_what_its_elements_share_or_totals_never_one_elemen
     gpu = [sim.uuid(0), sim.uuid(1)].index(_elements(lab, ann)[f"{arr}_1"]["gpus"][0])
     with foreign_open(sim.device(gpu)):
         wait_for(lambda: _elements(lab, ann)[f"{arr}_1"]["restarts"] == 1, 30, "element 1 requeued")
+        # (element 0 has run 4 s before element 1 may start again: their TIMEs differ by seconds)
+        wait_for(lambda: elapsed(_elements(lab, ann)[f"{arr}_0"], time.time()) >= 4, 30, "4 s of element 0")
     wait_for(running, 30, "element 1 running again")
     jobs = _elements(lab, ann)
     assert (jobs[f"{arr}_0"]["restarts"], jobs[f"{arr}_1"]["restarts"]) == (0, 1)
