@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -15,12 +16,13 @@ from typing import Dict, List
 
 import psutil
 import pytest
-from conftest import wait_for
+from conftest import foreign_open, wait_for
 from test_queue import Lab, made_lab, queue_body
 
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import arrays, hooks, placement
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.listing import elapsed
 from gpu_mon.queue.store import Refused, Store
 
 GROUP = "gmalab"
@@ -329,6 +331,58 @@ def test_a_daemon_killed_mid_array_restarts_with_every_element_right_and_a_reloa
         30,
         "every element cancelled",
     )
+
+
+def _line(lab: Lab, user, prefix: str, *args: str) -> List[str]:
+    """The columns of `jobs`' line that starts with prefix (ID USER STATE GPUS TIME [END] RESTARTS ...)."""
+    r = lab.run(user, "jobs", *args)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, r.stdout
+    return re.split(r"\s{2,}", lines[0])
+
+
+@pytestmark_root
+def test_a_grouped_line_shows_what_its_elements_share_or_totals_never_one_elements_value_and_jobs_name(
+    alab, daemon_factory, sim
+):
+    lab = alab
+    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    ann = lab.alice
+    cmd = ["--", "/usr/bin/python3", str(lab.job), "120", "0", lab.marker]
+    arr = lab.submit(ann, "--array", "0-1", "--name", "sweep", *cmd)
+    other = lab.submit(ann, "--hold", "--name", "other", *cmd)
+    running = lambda: all(_elements(lab, ann)[f"{arr}_{i}"]["state"] == "running" for i in (0, 1))  # noqa: E731
+    wait_for(running, 30, "both elements running")
+    group = f"{arr}_[0-1] (2)"
+    assert _line(lab, ann, group)[2:4] == ["running", "0,1"]  # (before: one element's GPU)
+    # jobs --name: only the jobs of that name (a named array: its elements)
+    assert _line(lab, ann, group, "--name", "sweep")[0] == group
+    r = lab.run(ann, "jobs", "--name", "other")
+    assert str(other) in r.stdout and f"{arr}_" not in r.stdout, r.stdout
+    assert set(lab.jobs(ann, "--name", "other")) == {other}
+    assert lab.jobs(ann, "--name", "nothing") == {}
+    # element 1 preempted and requeued once: the group's RESTARTS is the total, its TIME a range
+    gpu = [sim.uuid(0), sim.uuid(1)].index(_elements(lab, ann)[f"{arr}_1"]["gpus"][0])
+    with foreign_open(sim.device(gpu)):
+        wait_for(lambda: _elements(lab, ann)[f"{arr}_1"]["restarts"] == 1, 30, "element 1 requeued")
+        # (element 0 has run 4 s before element 1 may start again: their TIMEs differ by seconds)
+        wait_for(lambda: elapsed(_elements(lab, ann)[f"{arr}_0"], time.time()) >= 4, 30, "4 s of element 0")
+    wait_for(running, 30, "element 1 running again")
+    jobs = _elements(lab, ann)
+    assert (jobs[f"{arr}_0"]["restarts"], jobs[f"{arr}_1"]["restarts"]) == (0, 1)
+    columns = _line(lab, ann, group)
+    assert columns[2:4] == ["running", "0,1"] and columns[5] == "1", columns  # (before: element 0's 0)
+    assert re.fullmatch(r"\d+ s-\d+ s", columns[4]), columns  # (element 1 started later)
+    r = lab.run(ann, "cancel", str(arr))
+    assert r.returncode == 0, r.stderr
+    # two elements that failed with their own statuses: the line says they differ; wait gives the first's
+    sh = lab.submit(ann, "--array", "0-1", "--", "/bin/sh", "-c", "exit $((GPU_MON_ARRAY_INDEX + 3))")
+    r = lab.run(ann, "wait", str(sh))
+    assert r.returncode == 3 and f"job {sh}_[0-1] failed" in r.stderr, (r.returncode, r.stderr)
+    columns = _line(lab, ann, f"{sh}_[0-1] (2)", "--all")
+    assert columns[2] == "failed" and columns[-1] == "their exit statuses differ (jobs --expand)", columns
 
 
 HOOK = """#!/bin/sh

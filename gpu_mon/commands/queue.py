@@ -106,6 +106,7 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--user", help="only this user's jobs")
     p.add_argument("--me", action="store_true", help="only your own jobs")
     p.add_argument("--state", choices=J.STATES, help="only jobs in this state")
+    p.add_argument("--name", help="only jobs with this name (every element of a named array)")
     p.add_argument("--expand", action="store_true", help="an array's elements one a line (default: by state)")
     p.add_argument("--json", action="store_true", help="machine-readable output (every element of arrays)")
     p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)")
@@ -362,8 +363,9 @@ def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
     job = failed[0]
     if job["state"] == J.TIMEOUT:
         return EXIT_TIMEOUT
-    if job["state"] == J.FAILED and job["exit_status"] is not None:
-        return min(255, max(1, int(job["exit_status"])))
+    status = job.get("first_exit_status", job["exit_status"])  # (an array's elements: the first's)
+    if job["state"] == J.FAILED and status is not None:
+        return min(255, max(1, int(status)))
     return base.EXIT_FAILURE
 
 
@@ -404,6 +406,8 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     if args.me:
         user = _me()
     req = {"op": "jobs", "all": args.all, "user": user, "state": args.state}
+    if args.name is not None:
+        req["name"] = args.name
     if args.ids:
         req["ids"] = list(args.ids)
     if not args.json and not args.expand:
@@ -452,15 +456,15 @@ def _print_json(jobs: List[dict], drained: Optional[dict]) -> None:
 def _row(j: dict, today: Optional[str] = None) -> tuple:
     """A line of the table; with `today` (some job listed has ended), the END column too."""
     from gpu_mon.engine import words  # (only for the table: `--json` and the other commands do without)
-    from gpu_mon.queue.listing import elapsed
 
     gpus = ",".join(str(i) if i is not None else "?" for i in j.get("gpu_indices") or []) or "-"
-    seconds = elapsed(j, time.time())
-    ran = words.duration(seconds) if seconds is not None else "-"
+    ran = _ran(j)
     what = j["name"] or " ".join(j["command"])
     why = j["reason"] or ""
     if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is not None and not why:
         why = words.exit_status(int(j["exit_status"]), j.get("signal") or 0)
+    if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is None and j.get("count") and not why:
+        why = "their exit statuses differ (jobs --expand)"
     if j.get("preempted") and j["state"] in (J.QUEUED, J.HELD, J.PREEMPTED, *J.LIVE):
         last = f"last preempted at {j['preempted'][11:19]}: {j.get('preempted_reason') or '?'}"
         why = f"{why} ({last})" if why else last
@@ -476,6 +480,26 @@ def _row(j: dict, today: Optional[str] = None) -> tuple:
         sanitize(what, limit=40),
         sanitize(why),
     )
+
+
+def _ran(j: dict) -> str:
+    """TIME: how long it has run (or ran); for an array's elements whose times differ, `5 min-2 h`."""
+    from gpu_mon.engine import words
+    from gpu_mon.queue.listing import elapsed
+
+    now = time.time()
+    if j.get("started_range") and j["state"] in J.LIVE:
+        longest, shortest = (elapsed({**j, "started": s}, now) for s in j["started_range"])
+        return _span(words.duration(shortest or 0.0), words.duration(longest or 0.0))
+    if j.get("run_seconds_range") and j["state"] in J.ENDED:
+        shortest, longest = j["run_seconds_range"]
+        return _span(words.duration(shortest), words.duration(longest))
+    seconds = elapsed(j, now)
+    return words.duration(seconds) if seconds is not None else "-"
+
+
+def _span(shortest: str, longest: str) -> str:
+    return shortest if shortest == longest else f"{shortest}-{longest}"
 
 
 def _end(ended: Optional[str], today: str) -> str:

@@ -24,6 +24,7 @@ from gpu_mon.config import QueueSection
 from gpu_mon.queue import arrays, fields, submitcheck
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
+from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import Listing, iso, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
@@ -254,6 +255,7 @@ class Requests:
         or held jobs are listed (every running one is) and `more` counts the rest. In pages (PAGE_BYTES),
         each made when the client is ready for it: the jobs are picked when the first is made."""
         fields.optional_text(req.get("user"), "--user", 256)
+        fields.optional_text(req.get("name"), "--name", 1000)
         want_state = req.get("state")
         if want_state is not None and want_state not in J.STATES:
             raise Bad(f"--state {sanitize(str(want_state))[:20]!r} is not a job state")
@@ -286,7 +288,7 @@ class Requests:
 
     def _entries(self, req: dict, ids: list) -> Tuple[List[Entry], Dict[Tuple[int, str], List[Job]]]:
         """The jobs the request lists, in order: a job, or (collapse) an array's elements in one state."""
-        want_user, want_state = req.get("user"), req.get("state")
+        want_user, want_state, want_name = req.get("user"), req.get("state"), req.get("name")
         every = bool(req.get("all")) or bool(ids) or want_state in J.ENDED
         if ids:
             found = {j.id: j for ref in ids for j in self._found(ref)}
@@ -298,6 +300,8 @@ class Requests:
         groups: Dict[Tuple[int, str], List[Job]] = {}
         for j in candidates:
             if (want_user and j.user != want_user) or (want_state and j.state != want_state):
+                continue
+            if want_name is not None and j.name != want_name:
                 continue
             if not every and j.state in J.ENDED:
                 continue
@@ -314,12 +318,16 @@ class Requests:
         return entries, groups
 
     def _entry(self, e: Entry, groups: Dict[Tuple[int, str], List[Job]], view: View, now: float) -> bytes:
-        """One entry's JSON: a job's, or a collapsed group's (its first element, with `elements`)."""
+        """One entry's JSON: a job's, or a collapsed group's (what its elements share, else totals and
+        ranges: grouped.py; with `elements` and `count`)."""
         if isinstance(e, Job):
             return self._encoded(e, view, now)
         members = groups[e]
         encoded = self._encoded(members[0], view, now)
         indices = arrays.ranges(m.array_index for m in members)
+        if len(members) > 1:
+            group = grouped(json.loads(encoded), members, view.index_of, lambda j: _reason_key(j, view))
+            encoded = json.dumps(group, separators=(",", ":")).encode()
         return encoded[:-1] + b',"elements":"%s","count":%d}' % (indices.encode(), len(members))
 
     def _ids(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
@@ -607,6 +615,13 @@ def reason_of(j: Job, view: View, now: float) -> str:
     if j.state == J.HELD:
         return "held"
     return j.reason
+
+
+def _reason_key(j: Job, view: View) -> object:
+    """What decides reason_of(j) but its clock (equal keys: equal reasons), without making the words."""
+    if j.state == J.QUEUED and j.id in view.waiting:
+        return view.waiting[j.id]
+    return (j.state, j.id > view.placed_up_to, j.reason)
 
 
 def _described(j: Job, reason: str, indices: tuple) -> dict:
