@@ -16,12 +16,12 @@ from typing import Dict, Iterator
 
 import pytest
 from conftest import foreign_open, wait_for
+from test_hook_turns import _notice as notice
 from test_queue import JOB, Lab, made_lab, queue_body
 from test_queue_arrays import _alive, _pids
 
 from gpu_mon.engine.hookleader import LeaderHooks
 from gpu_mon.queue import hooks
-from gpu_mon.queue.jobs import Job
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs hooks as them")
 
@@ -73,19 +73,7 @@ def test_a_hanging_hook_and_its_setsid_child_end_when_gpu_mon_stops(hlab: Lab, d
 
 
 def _notice(job_id: int, uid: int, cmd: str, cwd: str) -> hooks.Notice:
-    job = Job(
-        id=job_id,
-        user=str(uid),
-        uid=uid,
-        gid=uid,
-        command=("true",),
-        cwd=cwd,
-        env=(("PATH", "/usr/bin:/bin"),),
-        output="",
-        submitted=0.0,
-        notify=(cmd,),
-    )
-    return hooks.Notice(job, "done", None)
+    return notice(job_id, uid, cmd, cwd, "done")
 
 
 def test_a_hanging_hook_and_its_setsid_child_end_at_its_limit(monkeypatch) -> None:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="runs hooks as another
 NOBODY = 65534
 
 
-def _notice(job_id: int, uid: int, cmd: str, cwd: str) -> hooks.Notice:
+def _notice(job_id: int, uid: int, cmd: str, cwd: str, state: str = "cancelled") -> hooks.Notice:
     job = Job(
         id=job_id,
         user=str(uid),
@@ -39,7 +39,7 @@ def _notice(job_id: int, uid: int, cmd: str, cwd: str) -> hooks.Notice:
         submitted=0.0,
         notify=(cmd,),
     )
-    return hooks.Notice(job, "cancelled", None)
+    return hooks.Notice(job, state, None)
 
 
 def _hooks(logs: Path) -> hooks.Hooks:

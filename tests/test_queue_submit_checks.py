@@ -6,7 +6,6 @@ cannot start (its directory removed after the submit) says the true cause. Real 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ import subprocess
 import pytest
 from conftest import wait_for
 from test_queue import JOB, Lab, User, made_lab, queue_body
-from test_queue_door import PY, RAW
+from test_queue_door import raw
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -33,20 +32,7 @@ def _refused(lab: Lab, user: User, *args: str, cwd=None) -> str:
 
 
 def _raw(lab: Lab, user: User, req: dict) -> dict:
-    r = subprocess.run(
-        [PY, "-c", RAW, str(lab.socket)],
-        input=json.dumps([req]),
-        capture_output=True,
-        text=True,
-        user=user.uid,
-        group=user.gid,
-        extra_groups=[],
-        cwd=str(user.work),
-        env={"PATH": "/usr/bin:/bin", "HOME": str(user.home), "PYTHONPATH": str(lab.code), "LANG": "C.UTF-8"},
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.splitlines()[0])
+    return raw(lab, user, req)[0]
 
 
 def test_what_cannot_start_is_refused_at_submit_as_the_user_and_nothing_is_queued(lab, daemon_factory):
