@@ -20,8 +20,8 @@ from test_hook_turns import _notice as notice
 from test_queue import JOB, Lab, made_lab, queue_body
 from test_queue_arrays import _alive, _pids
 
-from gpu_mon.engine.hookleader import LeaderHooks
 from gpu_mon.queue import hooks
+from gpu_mon.queue.hookleader import LeaderHooks
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs hooks as them")
 

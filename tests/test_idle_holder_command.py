@@ -17,7 +17,7 @@ from conftest import WORKLOAD_PYTHON, pid_alive, wait_for
 
 from gpu_mon.config import ConfigError, parse
 from gpu_mon.engine.idlecommand import IdleCommands
-from gpu_mon.engine.idleholders import IdleHolder
+from gpu_mon.policy.idleholders import IdleHolder
 
 RECORD = """
 import json, os, sys

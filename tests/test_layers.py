@@ -17,9 +17,9 @@ from test_policy import config, holder, snap
 
 import gpu_mon.api
 from gpu_mon.api.model import Exited, Running, TtyUser
-from gpu_mon.engine import policy
-from gpu_mon.engine.decisions import PolicyState
 from gpu_mon.engine.loop import Loop
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy.decisions import PolicyState
 
 FRONT = ("gpu_mon.engine", "gpu_mon.outputs", "gpu_mon.commands", "gpu_mon.cli", "gpu_mon.config")
 

@@ -15,7 +15,7 @@ from conftest import wait_for
 from test_queue import JOB, PY, Lab, made_lab, queue_body
 
 from gpu_mon import safefile
-from gpu_mon.engine.outside import NOTE_SCRIPT
+from gpu_mon.queue.outside import NOTE_SCRIPT
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them")
 

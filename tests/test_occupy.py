@@ -311,7 +311,7 @@ def test_config_ignore_lists_apply_when_named(occ, sim, tmp_path, named_by):
 def test_the_stressor_command_is_one_the_stressor_accepts(tmp_path):
     from gpu_mon.cli import build_parser
     from gpu_mon.commands.occupy import _memory
-    from gpu_mon.engine.occupy import OccupySpec, config
+    from gpu_mon.commands.occupy_spec import OccupySpec, config
 
     spec = OccupySpec(gpus=[1, 0], memory=_memory("20"), compute_min=15, sleep_min=10)
     c = config(spec, str(tmp_path))
@@ -497,9 +497,10 @@ def test_an_unseen_open_is_someone_elses_use_for_the_wait_then_the_wait_starts_a
     urgent) for --wait-minutes; then the GPU is free and the usual wait starts. Not for an ignored user, and
     never where unreadable processes make a GPU busy anyway (the root daemon)."""
     from gpu_mon.api.model import Denied, Gpu, GpuReading, Running, Snapshot, UnseenOpen
-    from gpu_mon.engine import gpustate, policy, words
-    from gpu_mon.engine.decisions import PolicyState, Start, Stop
-    from gpu_mon.engine.occupy import OccupySpec, config
+    from gpu_mon.commands.occupy_spec import OccupySpec, config
+    from gpu_mon.policy import decide as policy
+    from gpu_mon.policy import gpustate, words
+    from gpu_mon.policy.decisions import PolicyState, Start, Stop
 
     gpus = tuple(Gpu(index=i, uuid=f"GPU-{i}", device=f"/dev/nvidia{i}", memory_used_mib=0) for i in (0, 1))
     opened = (UnseenOpen("GPU-0", 1000.0, (Denied(4242, "bob", "python3"), Denied(7, "root", "cron"))),)

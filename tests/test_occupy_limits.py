@@ -23,8 +23,8 @@ from conftest import GPU_MON, SimHost, kill_marked, nobody_host, run_as_nobody, 
 
 from gpu_mon import config
 from gpu_mon.api import occupiers, procfs
+from gpu_mon.commands.occupy_holdlimit import HoldLimit
 from gpu_mon.commands.occupy_limits import Refusal, Who, refusal
-from gpu_mon.engine.holdlimit import HoldLimit
 
 FAST = ["--wait-minutes", "0.02", "--refresh-minutes", "0.002"]
 

@@ -23,9 +23,11 @@ from test_queue import JOB, PY, Lab, _make_user, lab_files
 from gpu_mon.api.model import GpuReading, QueueJob, Snapshot
 from gpu_mon.commands.occupy_queue import QueueJobs
 from gpu_mon.config import GpuSection, GpuSelection
-from gpu_mon.engine import lock, policy, words
-from gpu_mon.engine.decisions import Busy
+from gpu_mon.engine import lock
 from gpu_mon.outputs import statefile
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy import words
+from gpu_mon.policy.decisions import Busy
 
 USER = "gmoqdana"  # (names of other tests' users are theirs: gmqalice, gmqbob, ...)
 FAST = ["--wait-minutes", "0.02", "--refresh-minutes", "0.002"]  # 1.2 s of free GPU, a look every 0.12 s

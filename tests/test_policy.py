@@ -8,8 +8,9 @@ import pytest
 
 from gpu_mon import config as cfg
 from gpu_mon.api.model import Denied, Exited, Gpu, GpuProcess, GpuReading, Holder, Running, Snapshot, TtyUser
-from gpu_mon.engine import policy, words
-from gpu_mon.engine.decisions import PolicyState, Start, Stop
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy import words
+from gpu_mon.policy.decisions import PolicyState, Start, Stop
 
 U0, U1, U2 = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
 

@@ -209,7 +209,7 @@ def test_a_job_stopped_with_sigterm_gets_it_once_and_its_clean_exit_is_not_a_sig
 
 
 def test_the_line_writer_of_jobs_under_systemd_appends_only_to_a_regular_file(tmp_path: Path):
-    """Where jobs are units, the job's user writes gpu-mon's lines (engine/outside.py): one line each,
+    """Where jobs are units, the job's user writes gpu-mon's lines (queue/outside.py): one line each,
     after a partial line, never through a link at the end, never opening a FIFO, never making a file."""
     import subprocess
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpu_mon.config import QueueSection
-from gpu_mon.engine.decisions import Busy, Reason, Who
+from gpu_mon.policy.decisions import Busy, Reason, Who
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.placement import (

@@ -19,10 +19,11 @@ from test_slurm import _section, cluster, slurm  # noqa: F401  (the real Slurm's
 
 from gpu_mon.api.model import Running, SlurmJob
 from gpu_mon.config import SlurmSection
-from gpu_mon.engine import gpustate, policy, words
-from gpu_mon.engine.decisions import Busy, PolicyState, Stop, Verdict
-from gpu_mon.engine.slurm import Slurm
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy import gpustate, words
+from gpu_mon.policy.decisions import Busy, PolicyState, Stop, Verdict
 from gpu_mon.slurm import alloc as A
+from gpu_mon.slurm.tier import Slurm
 
 # One line per job, as Debian's Slurm 22.05 prints `scontrol show job -d -o` (shortened).
 RUNNING = (

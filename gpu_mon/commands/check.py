@@ -11,9 +11,9 @@ from gpu_mon.api import holders
 from gpu_mon.api.model import Gpu, GpuReading
 from gpu_mon.commands import base, statedir
 from gpu_mon.config import Config, ConfigError, GpuSection, ProcessSection, line_of, sort_by_line
-from gpu_mon.engine import policy
 from gpu_mon.engine.idle import ACTION_PATH
 from gpu_mon.engine.workloads.supervisor import workload_env
+from gpu_mon.policy import decide as policy
 
 
 def host_warnings(config: Config) -> List[str]:

@@ -1,7 +1,7 @@
 """`gpu-mon occupy on|off|status` (seed 004): a user's own reservation of GPUs, no root, no config file.
 
 `on` starts a background occupier (its own session, detached from the terminal) and returns once it runs.
-The occupier is the daemon itself on an in-memory config (engine/occupy.py) holding the lock of its own
+The occupier is the daemon itself on an in-memory config (commands/occupy_spec.py) holding the lock of its own
 state file, so two `on` that race cannot both run. `off` signals it only while it is the process recorded
 (pid and start time) *and* holds that lock: a reused pid is never signalled.
 
@@ -25,7 +25,7 @@ from gpu_mon.api import procfs
 from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
 from gpu_mon.commands.occupy_queue import daemon_state_file
-from gpu_mon.engine.occupy import OccupySpec
+from gpu_mon.commands.occupy_spec import OccupySpec
 
 EXIT_NOT_RUNNING = 3
 _START_TIMEOUT = 60.0

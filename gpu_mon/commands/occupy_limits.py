@@ -22,7 +22,7 @@ from typing import Callable, FrozenSet, List, Optional
 from gpu_mon import config
 from gpu_mon.api import occupiers
 from gpu_mon.commands import base
-from gpu_mon.engine.occupy import OccupySpec
+from gpu_mon.commands.occupy_spec import OccupySpec
 
 SYSTEM_CONFIG = config.DEFAULT_PATH
 SYSTEM_CONFIG_ENV = "GPU_MON_SYSTEM_CONFIG"
@@ -155,7 +155,7 @@ def apply(spec: OccupySpec, asked: Optional[int]) -> OccupySpec:
 
 def serve_listeners(spec: OccupySpec, end: Callable[[], None], started: float) -> List[object]:
     """The occupier's public record, and its hold limit when the admin set one."""
-    from gpu_mon.engine.holdlimit import HoldLimit
+    from gpu_mon.commands.occupy_holdlimit import HoldLimit
     from gpu_mon.outputs.occupiers import PublicRecord
 
     base_doc = {

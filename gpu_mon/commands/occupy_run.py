@@ -15,8 +15,8 @@ from typing import List, Optional
 from gpu_mon.api import usage
 from gpu_mon.commands import base, occupy_limits
 from gpu_mon.commands import occupy as oc
+from gpu_mon.commands.occupy_spec import OccupySpec
 from gpu_mon.engine import lock
-from gpu_mon.engine.occupy import OccupySpec
 
 log = logging.getLogger("gpu_mon")
 
@@ -91,8 +91,8 @@ def _check_gpus(args: argparse.Namespace, spec: OccupySpec) -> Optional[int]:
 
 def serve(args: argparse.Namespace) -> int:
     """The occupier: the daemon on the reservation's config, holding the lock of its state file."""
+    from gpu_mon.commands import occupy_spec as engine_occupy
     from gpu_mon.commands.occupy_queue import QueueJobs
-    from gpu_mon.engine import occupy as engine_occupy
     from gpu_mon.engine.daemon import Daemon
     from gpu_mon.outputs.phase import PhaseFile
     from gpu_mon.outputs.statefile import StateFile

@@ -3,7 +3,7 @@ user; and the admin's `gpu-mon queue drain|resume`.
 
 Each command is one request over the daemon's socket ([queue] socket); the daemon knows the user from the
 kernel, never from what we send. The job's output file, and its default directory, are made by the job's
-own wrapper as the user (engine/queue.py), never here: the daemon knows the user's home, we only $HOME.
+own wrapper as the user (queue/tier.py), never here: the daemon knows the user's home, we only $HOME.
 """
 
 from __future__ import annotations
@@ -455,7 +455,7 @@ def _print_json(jobs: List[dict], drained: Optional[dict]) -> None:
 
 def _row(j: dict, today: Optional[str] = None) -> tuple:
     """A line of the table; with `today` (some job listed has ended), the END column too."""
-    from gpu_mon.engine import words  # (only for the table: `--json` and the other commands do without)
+    from gpu_mon.policy import words  # (only for the table: `--json` and the other commands do without)
 
     gpus = ",".join(str(i) if i is not None else "?" for i in j.get("gpu_indices") or []) or "-"
     ran = _ran(j)
@@ -484,7 +484,7 @@ def _row(j: dict, today: Optional[str] = None) -> tuple:
 
 def _ran(j: dict) -> str:
     """TIME: how long it has run (or ran); for an array's elements whose times differ, `5 min-2 h`."""
-    from gpu_mon.engine import words
+    from gpu_mon.policy import words
     from gpu_mon.queue.listing import elapsed
 
     now = time.time()

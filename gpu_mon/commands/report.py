@@ -15,7 +15,7 @@ from gpu_mon.api import historydb, summary
 from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
 from gpu_mon.config import HistorySection
-from gpu_mon.engine.words import duration
+from gpu_mon.policy.words import duration
 
 _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([mhdw])$")
 _UNIT_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

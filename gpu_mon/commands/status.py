@@ -15,10 +15,11 @@ from gpu_mon.api import logins, occupiers, procfs
 from gpu_mon.api.observe import Backend, look
 from gpu_mon.commands import base
 from gpu_mon.config import DEFAULT_PATH, Config, Defaults, TtySection
-from gpu_mon.engine import lock, policy
-from gpu_mon.engine.decisions import PolicyState
+from gpu_mon.engine import lock
 from gpu_mon.outputs import statefile
 from gpu_mon.outputs import status as report
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy.decisions import PolicyState
 
 
 def fresh_look(config: Optional[Config], backend: Backend, source: str) -> dict:

@@ -141,8 +141,8 @@ class Watcher:
 
     def start(self) -> None:
         """Spawn CMD (with our stdio and environment) under a leader."""
-        from gpu_mon.engine.decisions import Instance
         from gpu_mon.engine.workloads.supervisor import Launch
+        from gpu_mon.policy.decisions import Instance
 
         self.linux.prctl(self.linux.PR_SET_CHILD_SUBREAPER, 1)
         self.loop.catch((*_FORWARDED, signal.SIGCHLD))

@@ -31,21 +31,23 @@ from gpu_mon.api.model import GpuReading, Holder, QueueJob, Snapshot
 from gpu_mon.api.observe import Backend, Observer, unexplained
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
-from gpu_mon.engine import gpustate, idleholders, policy, reload, words
-from gpu_mon.engine.decisions import Decision, PolicyState, Preemption, Start, Stop
+from gpu_mon.engine import reload
 from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.idlecommand import IdleCommands
 from gpu_mon.engine.loop import Listener, Loop, RoundReport
 from gpu_mon.engine.openers import Openers
 from gpu_mon.engine.opens import OpenRetry, OpenWatch, retry_for
-from gpu_mon.engine.queue import PREFIX as JOB_PREFIX
-from gpu_mon.engine.queue import Queue, queue_gpus
-from gpu_mon.engine.queueretry import QueueRetry, next_try
 from gpu_mon.engine.reload import Reloader
-from gpu_mon.engine.slurm import Slurm
 from gpu_mon.engine.workloads import cgroups, linux, stopping
 from gpu_mon.engine.workloads.supervisor import StartError, Supervisor
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy import gpustate, idleholders, words
+from gpu_mon.policy.decisions import Decision, PolicyState, Preemption, Start, Stop
+from gpu_mon.queue.retry import QueueRetry, next_try
+from gpu_mon.queue.tier import PREFIX as JOB_PREFIX
+from gpu_mon.queue.tier import Queue, queue_gpus
 from gpu_mon.slurm.owed import path_for as owed_path
+from gpu_mon.slurm.tier import Slurm
 
 log = logging.getLogger("gpu_mon")
 
@@ -123,9 +125,9 @@ class Daemon:
         self.open_retry: Optional[OpenRetry] = None  # an open no scan explained yet: looked at again soon
         self.owed: Optional[str] = None  # a scan that paused for an open: it goes on once that is handled
         self.every_next = False  # the next full scan reads every process (see Observer.scan)
-        self.queue: Optional[Queue] = None  # [queue]: users' jobs (engine/queue.py)
+        self.queue: Optional[Queue] = None  # [queue]: users' jobs (queue/tier.py)
         self.queue_retry: Optional[QueueRetry] = None  # a queue that could not start: tried again
-        self.slurm: Optional[Slurm] = None  # [slurm]: preemptible Slurm jobs (engine/slurm.py)
+        self.slurm: Optional[Slurm] = None  # [slurm]: preemptible Slurm jobs (slurm/tier.py)
         self.started_wall = wall()
         stat = read_stat(os.getpid())
         self.start_ticks = stat.start_ticks if stat else 0
@@ -217,7 +219,7 @@ class Daemon:
 
     def _start_queue(self) -> None:
         """[queue]: open its database and socket; without them gpu-mon runs on, without the queue, and
-        tries again later (engine/queueretry.py)."""
+        tries again later (queue/retry.py)."""
         if self.config.queue is None:
             return
         try:
@@ -607,7 +609,7 @@ class Daemon:
         return dataclasses.replace(second, actions=actions), again
 
     def _queue_round(self, decision: Decision, plan: policy.Plan, now: float) -> Decision:
-        """Workloads yield first; then the queue yields and places its jobs (engine/queue.py). Returns the
+        """Workloads yield first; then the queue yields and places its jobs (queue/tier.py). Returns the
         decision's other actions, less the starts on GPUs that jobs hold or are about to take."""
         stops = tuple(a for a in decision.actions if isinstance(a, Stop))
         self._act(dataclasses.replace(decision, actions=stops), plan, now)

@@ -20,7 +20,7 @@ from gpu_mon.api import usage as gpu_usage
 from gpu_mon.api.sentinel import ARMED, FIRED, Sentinel
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import SentinelSection
-from gpu_mon.engine.loop import RoundReport
+from gpu_mon.policy.report import RoundReport
 
 log = logging.getLogger("gpu_mon")
 ACTION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

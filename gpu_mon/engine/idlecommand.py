@@ -13,7 +13,7 @@ import threading
 from typing import Callable, Dict, List, Sequence
 
 from gpu_mon.engine.idle import ACTION_PATH, outcome, resolve
-from gpu_mon.engine.idleholders import IdleHolder
+from gpu_mon.policy.idleholders import IdleHolder
 
 log = logging.getLogger("gpu_mon")
 TIMEOUT_SECONDS = 60.0

@@ -23,8 +23,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from gpu_mon import __version__, safefile
 from gpu_mon.config import MetricsSection
-from gpu_mon.engine import gpustate
-from gpu_mon.engine.loop import RoundReport
+from gpu_mon.policy import gpustate
+from gpu_mon.policy.report import RoundReport
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.runs import PREEMPTED, QueueReport
 from gpu_mon.slurm.view import SlurmReport

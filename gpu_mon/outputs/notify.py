@@ -13,8 +13,8 @@ import time
 from typing import Optional
 
 from gpu_mon.api.text import sanitize
-from gpu_mon.engine import words
-from gpu_mon.engine.loop import RoundReport
+from gpu_mon.policy import words
+from gpu_mon.policy.report import RoundReport
 
 _MAX_STATUS = 1024
 

@@ -15,8 +15,8 @@ from typing import List, Optional
 
 from gpu_mon import safefile
 from gpu_mon.api import occupiers
-from gpu_mon.engine.loop import RoundReport
 from gpu_mon.outputs.phase import next_phase
+from gpu_mon.policy.report import RoundReport
 
 log = logging.getLogger("gpu_mon")
 _REFRESH_SECONDS = 3600.0

@@ -9,8 +9,8 @@ import contextlib
 import os
 from typing import Optional, Tuple
 
-from gpu_mon.engine.loop import RoundReport
 from gpu_mon.outputs import statefile
+from gpu_mon.policy.report import RoundReport
 
 
 def next_phase(report: RoundReport, polite: bool, occupied: bool) -> Tuple[str, bool]:

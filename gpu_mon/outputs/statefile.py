@@ -12,8 +12,8 @@ from typing import Optional
 
 from gpu_mon import safefile
 from gpu_mon.api import procfs
-from gpu_mon.engine.loop import RoundReport
 from gpu_mon.outputs import status
+from gpu_mon.policy.report import RoundReport
 
 log = logging.getLogger("gpu_mon")
 

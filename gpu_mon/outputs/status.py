@@ -10,11 +10,11 @@ from gpu_mon.api import logins
 from gpu_mon.api.model import Gpu, Holder, Snapshot, gpu_label
 from gpu_mon.api.text import sanitize, sanitize_lines
 from gpu_mon.config import Config, GpuSection
-from gpu_mon.engine import words
-from gpu_mon.engine.decisions import Decision, Instance
-from gpu_mon.engine.idleholders import IdleHolder
-from gpu_mon.engine.loop import RoundReport
-from gpu_mon.engine.policy import Plan, ignored
+from gpu_mon.policy import words
+from gpu_mon.policy.decide import Plan, ignored
+from gpu_mon.policy.decisions import Decision, Instance
+from gpu_mon.policy.idleholders import IdleHolder
+from gpu_mon.policy.report import RoundReport
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import words as queue_words
 from gpu_mon.queue.runs import JobRun, QueueReport

@@ -9,9 +9,9 @@ hook through its launcher and polls it (never waited for): 30 s, then it is kill
 hook that fails is one line in the daemon's log and one in the job's.
 
 Containment, as for jobs: nothing a hook started outlives it. Where jobs are our children, each hook runs
-under a leader of its own (engine/hookleader.py, workloads/leader.py: a child subreaper that ends every
+under a leader of its own (queue/hookleader.py, workloads/leader.py: a child subreaper that ends every
 descendant, setsid'd ones too, when the hook's main process exits, SIGTERM then SIGKILL KILL_AFTER later,
-and by itself when gpu-mon dies); where jobs are transient units, each hook is one (engine/outside.py:
+and by itself when gpu-mon dies); where jobs are transient units, each hook is one (queue/outside.py:
 systemd ends what is left in the unit when its main process exits, and after RuntimeMaxSec=).
 
 gpu-mon leaves no hook running: when it stops, a hook has what is left of its 30 s but at most STOP_GRACE
@@ -219,14 +219,14 @@ def _killpg(pid: int, sig: int) -> None:
 
 class Reach(Protocol):
     """What ends every process a hook started, wherever it went: its leader's descendants (the direct
-    launcher, engine/hookleader.py) or its transient unit's group (engine/outside.py)."""
+    launcher, queue/hookleader.py) or its transient unit's group (queue/outside.py)."""
 
     def signal(self, sig: int) -> bool: ...
 
     def kill(self) -> bool: ...
 
 
-# How a hook is started, contained (engine/hookleader.py, or engine/outside.py where jobs are transient
+# How a hook is started, contained (queue/hookleader.py, or queue/outside.py where jobs are transient
 # units): from the job, the wrapper's argv, its environment and its time limit, the process started (what
 # the loop polls: it exits once nothing of the hook is left) and what reaches all of the hook. OSError when
 # it cannot be started.

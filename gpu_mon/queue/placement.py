@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpu_mon.config import QueueSection
-from gpu_mon.engine.decisions import Reason
+from gpu_mon.policy.decisions import Reason
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 

@@ -6,7 +6,7 @@ import time
 from typing import Dict
 
 from gpu_mon.api.text import sanitize
-from gpu_mon.engine import words
+from gpu_mon.policy import words
 from gpu_mon.queue.placement import Waiting
 
 

@@ -34,11 +34,11 @@ from gpu_mon.api import procfs
 from gpu_mon.api.model import Exited, Running
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import ProcessSection
-from gpu_mon.engine.decisions import Instance
 from gpu_mon.engine.workloads import cgroups, linux
 from gpu_mon.engine.workloads.leader import MAIN_STOP
 from gpu_mon.engine.workloads.stopping import StopRule, signal_name
 from gpu_mon.engine.workloads.transient import Unit
+from gpu_mon.policy.decisions import Instance
 
 log = logging.getLogger("gpu_mon")
 

@@ -30,19 +30,19 @@ from gpu_mon.api.model import Exited, Snapshot
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import Config, QueueSection
-from gpu_mon.engine import words
-from gpu_mon.engine.decisions import Decision, Instance, Start, Wait
-from gpu_mon.engine.hookleader import LeaderHooks
 from gpu_mon.engine.lock import DaemonLock
-from gpu_mon.engine.outside import UserUnits
 from gpu_mon.engine.workloads import ends, transient
 from gpu_mon.engine.workloads.stopping import StopRule
 from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
 from gpu_mon.engine.workloads.transient import Unit
+from gpu_mon.policy import words
+from gpu_mon.policy.decisions import Decision, Instance, Start, Wait
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import placement
+from gpu_mon.queue.hookleader import LeaderHooks
 from gpu_mon.queue.hooks import Hooks, Notices
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.outside import UserUnits
 from gpu_mon.queue.prune import Pruner
 from gpu_mon.queue.requests import Requests, View, groups_of, output_of
 from gpu_mon.queue.runs import QueueReport, Runs

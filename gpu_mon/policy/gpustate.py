@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Tuple
 
-from gpu_mon.engine.decisions import Busy, Decision, Verdict
+from gpu_mon.policy.decisions import Busy, Decision, Verdict
 
 STATES = ("harvesting", "foreign", "idle", "paused", "unknown")
 # someone else uses it (not: unreadable)

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-from gpu_mon.engine.loop import RoundReport
+from gpu_mon.policy.report import RoundReport
 
 log = logging.getLogger("gpu_mon")
 

@@ -15,7 +15,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from gpu_mon.api.model import Gpu, GpuProcess, Holder, Snapshot
 from gpu_mon.config import GpuSection, GpuSelection
-from gpu_mon.engine.policy import ignored
+from gpu_mon.policy.decide import ignored
 
 Key = Tuple[int, int, str]  # (pid, start_ticks, uuid)
 DEFAULT_RULES = GpuSection(name="(unwatched)", gpus=GpuSelection(all=True))  # GPUs no [gpu-*] names

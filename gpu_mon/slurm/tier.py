@@ -28,8 +28,8 @@ from typing import Callable, Counter, Dict, List, Mapping, Optional, Tuple
 from gpu_mon.api.model import Holder, SlurmJob, Snapshot
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import GpuSection, SlurmSection
-from gpu_mon.engine import words
-from gpu_mon.engine.policy import ignored
+from gpu_mon.policy import words
+from gpu_mon.policy.decide import ignored
 from gpu_mon.slurm import alloc as AL
 from gpu_mon.slurm import control as C
 from gpu_mon.slurm import owed as O

@@ -100,7 +100,7 @@ class Decision:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Why: reasons and events as data. engine/words.py says them in English, at the edges (log, status).
+# Why: reasons and events as data. policy/words.py says them in English, at the edges (log, status).
 
 
 @dataclass(frozen=True)

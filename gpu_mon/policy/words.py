@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Dict, Optional
 
 from gpu_mon.api.model import Exited, gpu_label
 from gpu_mon.api.text import sanitize
-from gpu_mon.engine.decisions import Busy, Reason, Restarting, Start, Stop, TerminalUse, Wait, Who
+from gpu_mon.policy.decisions import Busy, Reason, Restarting, Start, Stop, TerminalUse, Wait, Who
 
 if TYPE_CHECKING:
-    from gpu_mon.engine.loop import RoundReport
+    from gpu_mon.policy.report import RoundReport
 
 
 def gpu(uuid: str, index_of: Dict[str, int]) -> str:

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 from gpu_mon.api import ttys
 from gpu_mon.api.model import Exited, Gpu, Holder, Running, Snapshot
 from gpu_mon.config import Config, GpuSection, GpuSelection, ProcessSection, line_of
-from gpu_mon.engine.decisions import (
+from gpu_mon.policy.decisions import (
     Backoff,
     Busy,
     Decision,
