@@ -23,7 +23,7 @@ from gpu_mon.policy import decide as policy
 from gpu_mon.policy import gpustate, words
 from gpu_mon.policy.decisions import Busy, PolicyState, Stop, Verdict
 from gpu_mon.slurm import alloc as A
-from gpu_mon.slurm.tier import Slurm
+from gpu_mon.slurm.preempt import Slurm
 
 # One line per job, as Debian's Slurm 22.05 prints `scontrol show job -d -o` (shortened).
 RUNNING = (

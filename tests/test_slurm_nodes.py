@@ -227,7 +227,7 @@ def test_a_gpu_mon_killed_between_hold_and_release_releases_the_job_when_it_star
 
 def test_what_a_lift_takes_off_the_excluded_nodes():
     from gpu_mon.slurm.owed import Owed
-    from gpu_mon.slurm.tier import _clear, _without
+    from gpu_mon.slurm.preempt import _clear, _without
 
     added = Owed(1, own="x", node="nodea", released=True)
     assert (_without("x,nodea", added), _clear("x,nodea", added)) == ("x", False)

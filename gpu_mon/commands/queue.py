@@ -3,7 +3,7 @@ user; and the admin's `gpu-mon queue drain|resume`.
 
 Each command is one request over the daemon's socket ([queue] socket); the daemon knows the user from the
 kernel, never from what we send. The job's output file, and its default directory, are made by the job's
-own wrapper as the user (queue/tier.py), never here: the daemon knows the user's home, we only $HOME.
+own wrapper as the user (queue/runner.py), never here: the daemon knows the user's home, we only $HOME.
 """
 
 from __future__ import annotations

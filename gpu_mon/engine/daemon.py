@@ -44,10 +44,10 @@ from gpu_mon.policy import decide as policy
 from gpu_mon.policy import gpustate, idleholders, words
 from gpu_mon.policy.decisions import Decision, PolicyState, Preemption, Start, Stop
 from gpu_mon.queue.retry import QueueRetry, next_try
-from gpu_mon.queue.tier import PREFIX as JOB_PREFIX
-from gpu_mon.queue.tier import Queue, queue_gpus
+from gpu_mon.queue.runner import PREFIX as JOB_PREFIX
+from gpu_mon.queue.runner import Queue, queue_gpus
 from gpu_mon.slurm.owed import path_for as owed_path
-from gpu_mon.slurm.tier import Slurm
+from gpu_mon.slurm.preempt import Slurm
 
 log = logging.getLogger("gpu_mon")
 
@@ -125,9 +125,9 @@ class Daemon:
         self.open_retry: Optional[OpenRetry] = None  # an open no scan explained yet: looked at again soon
         self.owed: Optional[str] = None  # a scan that paused for an open: it goes on once that is handled
         self.every_next = False  # the next full scan reads every process (see Observer.scan)
-        self.queue: Optional[Queue] = None  # [queue]: users' jobs (queue/tier.py)
+        self.queue: Optional[Queue] = None  # [queue]: users' jobs (queue/runner.py)
         self.queue_retry: Optional[QueueRetry] = None  # a queue that could not start: tried again
-        self.slurm: Optional[Slurm] = None  # [slurm]: preemptible Slurm jobs (slurm/tier.py)
+        self.slurm: Optional[Slurm] = None  # [slurm]: preemptible Slurm jobs (slurm/preempt.py)
         self.started_wall = wall()
         stat = read_stat(os.getpid())
         self.start_ticks = stat.start_ticks if stat else 0
@@ -609,7 +609,7 @@ class Daemon:
         return dataclasses.replace(second, actions=actions), again
 
     def _queue_round(self, decision: Decision, plan: policy.Plan, now: float) -> Decision:
-        """Workloads yield first; then the queue yields and places its jobs (queue/tier.py). Returns the
+        """Workloads yield first; then the queue yields and places its jobs (queue/runner.py). Returns the
         decision's other actions, less the starts on GPUs that jobs hold or are about to take."""
         stops = tuple(a for a in decision.actions if isinstance(a, Stop))
         self._act(dataclasses.replace(decision, actions=stops), plan, now)

@@ -24,7 +24,7 @@ from gpu_mon.config import HistorySection
 from gpu_mon.policy import gpustate
 from gpu_mon.policy.report import RoundReport
 from gpu_mon.queue.runs import JobRun
-from gpu_mon.queue.tier import PREFIX as JOB_PREFIX
+from gpu_mon.queue.runner import PREFIX as JOB_PREFIX
 
 log = logging.getLogger("gpu_mon")
 FLUSH_SECONDS = 5.0
