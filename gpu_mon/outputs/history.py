@@ -23,8 +23,8 @@ from gpu_mon.api import historydb
 from gpu_mon.config import HistorySection
 from gpu_mon.policy import gpustate
 from gpu_mon.policy.report import RoundReport
-from gpu_mon.queue.runs import JobRun
 from gpu_mon.queue.runner import PREFIX as JOB_PREFIX
+from gpu_mon.queue.runs import JobRun
 
 log = logging.getLogger("gpu_mon")
 FLUSH_SECONDS = 5.0
