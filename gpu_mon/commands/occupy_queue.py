@@ -10,15 +10,17 @@ then counts as busy, and the occupier's status says why.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 from typing import List, Optional, Tuple
 
-from gpu_mon.api.model import QueueJob
+from gpu_mon.api.model import QueueJob, Snapshot
 from gpu_mon.commands import occupy_limits
 from gpu_mon.config import Config, ConfigError, Defaults, load
 from gpu_mon.engine import lock
+from gpu_mon.engine.tiers import Tier
 
 Found = Tuple[Tuple[QueueJob, ...], str]  # (running jobs, why they cannot be known: "" when they can)
 
@@ -37,14 +39,18 @@ def daemon_state_file(named: Optional[Config]) -> str:
     return Defaults().state_file
 
 
-class QueueJobs:
-    """Called each round: the queue's running jobs, from the daemon's state file (reparsed only when the
-    file changed)."""
+class QueueJobs(Tier):
+    """The occupier's tier (engine/tiers.py): each round, the running jobs of the daemon's queue, from the
+    daemon's state file (reparsed only when the file changed)."""
 
     def __init__(self, state_file: str):
         self.state_file = state_file
         self.seen: Optional[tuple] = None  # (inode, mtime, size) of the file last parsed
         self.parsed: Found = ((), "")
+
+    def see(self, snap: Snapshot, quick: bool) -> Snapshot:
+        jobs, unknown = self()
+        return dataclasses.replace(snap, queue_jobs=jobs, queue_unknown=unknown)
 
     def __call__(self) -> Found:
         """(jobs, "") or ((), why they cannot be known)."""

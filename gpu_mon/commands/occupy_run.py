@@ -105,10 +105,11 @@ def serve(args: argparse.Namespace) -> int:
     args.sim = spec.sim
     backend, source = base.backend(args, writes=False)
     listeners = [StateFile(state), PhaseFile(phase, spec.polite)]
-    daemon = Daemon(config, backend, source="" if source == "NVML" else source, listeners=listeners)
+    tiers = [lambda _wiring: QueueJobs(spec.daemon_state)] if spec.daemon_state else []
+    daemon = Daemon(
+        config, backend, source="" if source == "NVML" else source, listeners=listeners, tiers=tiers
+    )
     daemon.loop.listeners.extend(occupy_limits.serve_listeners(spec, daemon.end, time.time()))
-    if spec.daemon_state:
-        daemon.queue_jobs = QueueJobs(spec.daemon_state)
     daemon.catch_signals()
     held = lock.DaemonLock(state)
     try:

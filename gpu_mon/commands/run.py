@@ -23,6 +23,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gpu_mon.engine.workloads.cgroups import ContainmentError
     from gpu_mon.outputs.notify import Notifier
     from gpu_mon.outputs.statefile import StateFile
+    from gpu_mon.queue.tier import QueueTier
+    from gpu_mon.slurm.tier import SlurmTier
 
     config = base.load_config(args, required=True)
     assert config is not None
@@ -43,7 +45,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         metrics = Metrics(config.metrics)
         listeners.append(metrics)
     daemon = Daemon(
-        config, backend, trusted_uid=trusted, source="" if source == "NVML" else source, listeners=listeners
+        config,
+        backend,
+        trusted_uid=trusted,
+        source="" if source == "NVML" else source,
+        listeners=listeners,
+        tiers=(QueueTier, SlurmTier),
     )
     # Signals are the loop's before the lock is: whoever sees a daemon holding the lock may stop it.
     daemon.catch_signals()

@@ -1,4 +1,4 @@
-"""IN_OPEN watches on GPU device nodes, in a few lines of ctypes.
+"""IN_OPEN (and IN_CLOSE) watches on GPU device nodes, in a few lines of ctypes.
 
 Why not inotify_simple: we need three calls and one event flag; ctypes keeps the dependency list (and the
 Debian package's) at nvidia-ml-py, psutil and sdnotify. An open of a watched inode by any path (a hard link
@@ -19,17 +19,21 @@ IN_DELETE_SELF = 0x00000400
 IN_MOVE_SELF = 0x00000800
 IN_IGNORED = 0x00008000
 IN_Q_OVERFLOW = 0x00004000
+IN_CLOSE_WRITE = 0x00000008
+IN_CLOSE_NOWRITE = 0x00000010
+IN_CLOSE = IN_CLOSE_WRITE | IN_CLOSE_NOWRITE
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len
-_MASK = IN_OPEN | IN_DELETE_SELF | IN_MOVE_SELF
+_SELF = IN_DELETE_SELF | IN_MOVE_SELF
 _MAX_READS = 16
 
 
 class Inotify:
-    """A non-blocking inotify fd watching a set of paths for opens."""
+    """A non-blocking inotify fd watching a set of paths for opens (or other `events`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: int = IN_OPEN) -> None:
+        self.events = events
         self._libc = ctypes.CDLL(None, use_errno=True)
         fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:
@@ -49,7 +53,7 @@ class Inotify:
         for path in wanted:
             if path in self._path_wd:
                 continue
-            wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), _MASK)
+            wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), self.events | _SELF)
             if wd < 0:
                 errors[path] = os.strerror(ctypes.get_errno())
                 continue
@@ -58,7 +62,8 @@ class Inotify:
         return errors
 
     def read(self) -> Tuple[List[str], bool]:
-        """Drain pending events: (paths that were opened, whether watches must be renewed)."""
+        """Drain pending events: (paths that were opened, or had another of `events`; whether watches must be
+        renewed)."""
         opened: List[str] = []
         renew = False
         for _ in range(_MAX_READS):  # (opens in a loop keep the queue filling: the rest waits for next time)
@@ -80,7 +85,7 @@ class Inotify:
                     renew = True  # the node went away (driver unloaded, sim file replaced): watch it afresh
                     self._path_wd.pop(path, None)
                     self._wd_path.pop(wd, None)
-                elif mask & IN_OPEN and path is not None:
+                elif mask & self.events and path is not None:
                     opened.append(path)
         return opened, renew
 

@@ -9,6 +9,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from gpu_mon import config as config_mod
 from gpu_mon.config import Config, QueueSection
+from gpu_mon.engine.workloads import stopping
+from gpu_mon.engine.workloads.supervisor import Supervisor
 
 # [queue] keys a reload cannot change (the socket users reach, the database, how jobs are started): the
 # old values stay until gpu-mon restarts.
@@ -118,3 +120,71 @@ def queue_on_reload(
         if getattr(new, key) != value
     ]
     return dataclasses.replace(new, **fixed), notes
+
+
+def keep_start_only(old: Config, new: Config) -> Tuple[Config, List[str]]:
+    """The config a reload applies, and what it leaves for a restart (log lines): state_file and containment
+    are fixed for the daemon's life (the lock, the cgroup tree), [history] and [metrics] too (their threads),
+    and [queue] as queue_on_reload says."""
+    d, was = new.defaults, old.defaults
+    notes = [
+        f"[defaults] {key} changes take effect when gpu-mon restarts"
+        for key in ("state_file", "containment")
+        if getattr(d, key) != getattr(was, key)
+    ]
+    fixed = dataclasses.replace(d, state_file=was.state_file, containment=was.containment)
+    for section in ("history", "metrics"):
+        if unplaced(getattr(new, section)) != unplaced(getattr(old, section)):
+            notes.append(f"[{section}] changes take effect when gpu-mon restarts")
+    queue, queue_notes = queue_on_reload(old.queue, new.queue)
+    kept = {"history": old.history, "metrics": old.metrics, "queue": queue}
+    return dataclasses.replace(new, defaults=fixed, **kept), notes + queue_notes
+
+
+@dataclasses.dataclass(frozen=True)
+class Reloaded:
+    """What a reload changes for the running daemon."""
+
+    sections: Changes  # every section added, changed or removed (the log line)
+    restarted: Tuple[str, ...]  # [process-*] names whose workloads restart (changed) ...
+    removed: Tuple[str, ...]  # ... or stop for good (removed)
+    watch_changed: bool  # [defaults] watch_opens
+    sentinel_changed: bool  # the [sentinel] listener is made anew
+
+
+def reloaded(old: Config, new: Config) -> Reloaded:
+    """What changes from `old` to `new` (both as applied)."""
+    was = {p.name: p for p in old.processes}
+    now = {p.name: p for p in new.processes}
+    changed = [n for n, p in was.items() if n not in now or now[n].fingerprint != p.fingerprint]
+    return Reloaded(
+        sections=changes(old, new),
+        restarted=tuple(n for n in changed if n in now),
+        removed=tuple(n for n in changed if n not in now),
+        watch_changed=new.defaults.watch_opens != old.defaults.watch_opens,
+        sentinel_changed=sentinel_rule(new) != sentinel_rule(old),
+    )
+
+
+def sentinel_rule(config: Config) -> tuple:
+    """What the [sentinel] listener is made from (not where in the file it is written)."""
+    return (unplaced(config.sentinel), config.defaults.interval_seconds)
+
+
+def restart_changed(
+    supervisor: Supervisor, config: Config, what: Reloaded, now: float, say: Callable[[str], None]
+) -> None:
+    """New stop rules for every workload; those whose [process-*] changed or went away stop (a changed one
+    starts again on the new config)."""
+    fresh = {p.name: p for p in config.processes}
+    supervisor.rule = stopping.rule_for(None, config.defaults)
+    for key, w in list(supervisor.workloads.items()):
+        name = w.instance.process
+        if name in fresh:
+            supervisor.set_rule(key, stopping.rule_for(fresh[name], config.defaults))
+        if name in what.restarted:
+            supervisor.stop(key, "config changed", now)
+            say(f"config changed for [process-{name}]; restarting {w.label}")
+        elif name in what.removed:
+            supervisor.stop(key, "config changed", now)
+            say(f"[process-{name}] removed from the config; stopping {w.label}")

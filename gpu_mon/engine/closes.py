@@ -1,0 +1,65 @@
+"""Closes of GPU nodes: a holder letting go of a GPU is seen at once, not at the next poll.
+
+An inotify fd of its own (IN_CLOSE on the nodes the open watch watches), so that a close never makes an open
+look pending (scans pause for opens, not closes). A close matters only when someone other than gpu-mon holds
+that GPU: then the next poll (NVML read, holders looked at again) is brought forward, at most one every
+CLOSE_POLL_GAP seconds; the GPU found free starts its start delay from there. Closes by our own workloads
+and of GPUs nobody else holds cost one read of the fd and nothing else."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Tuple
+
+from gpu_mon.api.observe import Observer
+from gpu_mon.engine.inotify import IN_CLOSE, Inotify
+
+log = logging.getLogger("gpu_mon")
+
+CLOSE_POLL_GAP = 0.02
+
+
+class CloseWatch:
+    """The close watches, kept in step with the observer's nodes."""
+
+    def __init__(self, observer: Observer):
+        self.observer = observer
+        self.inotify: Optional[Inotify] = None
+        self.watched: Tuple[str, ...] = ()
+
+    def start(self, add_reader: Callable[[int, str], None]) -> None:
+        """Open the fd (without it, a GPU let go is seen at the next poll, as before)."""
+        try:
+            self.inotify = Inotify(IN_CLOSE)
+        except OSError as err:
+            log.debug("no close events (%s): a GPU let go is seen at the next poll", err)
+            return
+        add_reader(self.inotify.fd, "closes")
+
+    def stop(self, remove_reader: Callable[[int], None]) -> None:
+        if self.inotify is not None:
+            remove_reader(self.inotify.fd)
+            self.inotify.close()
+            self.inotify = None
+        self.watched = ()
+
+    def refresh(self) -> None:
+        """Watch exactly the observer's nodes, if they changed."""
+        if self.observer.device_paths() != self.watched:
+            self.rewatch()
+
+    def rewatch(self) -> None:
+        self.watched = self.observer.device_paths()
+        if self.inotify is not None:
+            self.inotify.watch(self.watched)  # (what cannot be watched is the open watch's to say)
+
+    def read(self) -> bool:
+        """Drain the closes; True when one was of a GPU that someone other than gpu-mon holds."""
+        if self.inotify is None:
+            return False
+        closed, renew = self.inotify.read()
+        if renew:
+            self.rewatch()
+        targets = self.observer.watch_targets()
+        uuids = {targets.get(path) for path in closed} - {None}
+        return any(not h.ours_on(u) for h in self.observer.holders for u in h.gpus & uuids)

@@ -1,0 +1,185 @@
+"""The yield path: someone opened a GPU's node -> find who -> stop what runs there -> what is owed after.
+
+1. An open (inotify IN_OPEN on the GPU's node; fanotify names the opener's pid as root) wakes the loop.
+2. The opener is searched for with an incremental scan that reads the likeliest openers first (those the
+   kernel named, then processes that changed or appeared, the newest first) and stops at the first holder of
+   that GPU that is not ours and that its [gpu-*] section does not ignore.
+3. The urgent stops that holder calls for are decided on what the search has read, confirmed by a look again
+   at the GPU's holders (as in every round), and sent at once: workloads are signalled, each tier's jobs on
+   that GPU yield (engine/tiers.py). The daemon then leaves the CPU for up to STEP_ASIDE_SECONDS, so that
+   the signalled workload runs before the rest of /proc is read.
+4. What is owed afterwards: the rest of the scan, then a round that logs the stops with the whole picture
+   (engine/yields.py); a full scan soon to confirm the opener (the process found may be a child that
+   inherited the descriptor); an open no scan explained is looked at again after short delays
+   (engine/opens.py RETRY_DELAYS), then by a rate-limited full scan; the preemption is recorded with its
+   latencies when its workload is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable, Iterable, Optional, Set
+
+from gpu_mon.api.model import Holder
+from gpu_mon.engine.opens import OpenRetry, retry_for
+from gpu_mon.engine.round import Round
+from gpu_mon.engine.yields import urgent
+from gpu_mon.policy import decide as policy
+from gpu_mon.policy import words
+from gpu_mon.policy.decisions import Stop
+
+log = logging.getLogger("gpu_mon")
+
+# After a foreign open's stop signal goes out, the daemon leaves the CPU this long (or until another open)
+# before it reads the rest of /proc: on a 2-core machine the signalled workload otherwise waited up to ~9 ms
+# for a core behind that read (p99 of the signal to its handler 5.4 ms; 3.5 ms with the pause).
+STEP_ASIDE_SECONDS = 0.005
+
+
+class YieldPath:
+    """Opens of GPU nodes, from the event to the round that follows."""
+
+    def __init__(self, round_: Round):
+        self.round = round_
+        self.p = round_.p
+        self.retry: Optional[OpenRetry] = None  # an open no scan explained yet: looked at again soon
+
+    def deadline(self) -> Optional[float]:
+        return self.retry.at if self.retry is not None else None
+
+    def on_wake(self, now: float) -> bool:
+        """The opens reported since the last wake, or an open due to be looked at again. True: a round ran."""
+        opened = self.p.opens.take()
+        if opened:
+            self.on_open(opened, now)
+            return True
+        if self.retry is not None and now >= self.retry.at:
+            self.look_again(now)
+            return True
+        return False
+
+    def on_open(self, opened: Set[str], now: float) -> None:
+        """A GPU node was opened: find the opener with an incremental scan, else a (rate-limited) full one.
+
+        The open is never dropped: when the full scan has to wait for its rate limit it is deferred, and a
+        poll that comes in the same wake does not replace it (a poll's incremental scan misses a process
+        that swapped a descriptor in place, as a CUDA program's imports can: this was a CI flake). An open
+        the incremental scan does explain is confirmed by a full scan within 0.5 s all the same: the
+        process that explained it may be a child that inherited the descriptor from the real opener.
+        """
+        obs, scans = self.p.observer, self.p.scans
+        self.p.yields.by_open = True
+        uuids = {obs.watch_targets().get(path) for path in opened}
+        before = self.p.openers.before()
+        named = self.p.opens.openers()
+        explained = self._explained("first", uuids, named)
+        if not obs.scan_complete:  # a foreign holder of an opened GPU: it is yielded to first
+            self.yield_first(now)
+            if self.p.yields.first:  # (its handler runs now, even where other processes hold every core)
+                self.p.opens.wait(STEP_ASIDE_SECONDS)
+            explained = self._explained("changed", uuids, polite=bool(self.p.yields.first)) | explained
+        for uuid in self.p.openers.note(uuids, before, now):  # a process we cannot read opened it: at once
+            log.debug("open of %s by a process whose files cannot be read", uuid)
+        self.retry = None if explained else retry_for(uuids, named, now)
+        if explained:
+            self.round.run(now, scan=None)
+            if not self._still_held(explained, uuids):
+                self.retry = retry_for(uuids, named, now)
+            # Explained by *a* new holder, which may only have inherited the descriptor (a fork) while the
+            # opener swapped one in place and went unseen: confirm with a full scan soon.
+            scans.defer_full(now)
+        elif scans.event_full_now(now):
+            # Every process's every fd table; if even that does not explain it, memory maps too (a process
+            # that opened, mapped and closed the node between two looks).
+            found = self._explained("fds", uuids)
+            if found:
+                self.retry = None
+            self.round.run(now, scan=None if found else "full")
+        else:
+            self.round.run(now, scan=None)
+            scans.defer_full(now)
+
+    def look_again(self, now: float) -> None:
+        """An open no scan explained, looked at again: its openers and the processes that changed."""
+        retry, self.retry = self.retry, None
+        assert retry is not None
+        explained = self._explained("first", set(retry.uuids), retry.openers)
+        if explained:
+            log.debug("an open of %d GPU(s) explained on look %d", len(retry.uuids), retry.step + 2)
+            self.round.run(now, scan=None)
+        if not explained or not self._still_held(explained, set(retry.uuids)):
+            self.retry = retry.later(now)
+
+    def _still_held(self, explainers: Set[int], uuids: Set[Optional[str]]) -> bool:
+        """Whether a process that explained an open still holds that GPU after the round. One that let go by
+        the round's look again (it opened and closed the node) leaves the open looked at again, as one no
+        scan explained: a descriptor it is handed later (SCM_RIGHTS, pidfd_getfd) makes no event of its
+        own, and was found only by the next poll (a CI flake, polls 30 s apart)."""
+        return any(h.pid in explainers and h.gpus & uuids for h in self.p.observer.holders)
+
+    def _explained(
+        self, scan: str, uuids: Set[Optional[str]], openers: Iterable[int] = (), polite: bool = False
+    ) -> Set[int]:
+        """Scan; the processes that scan read that now hold one of these GPUs (none: not explained). A
+        'first' scan reads the `openers` the kernel named first and stops at the first holder of one of them
+        that is not ours and that its [gpu-*] section does not ignore."""
+        obs = self.p.observer
+        enough = self._foreign_holder(uuids) if scan == "first" else None
+        mode = scan if enough else "changed"
+        pause = _let_others_run if polite else None  # (a workload just signalled may be waiting for a core)
+        obs.scan(mode, self.p.supervisor.sessions(), enough=enough, first=openers, pause=pause)
+        rescanned = obs.last_rescanned
+        return {h.pid for h in obs.holders if h.pid in rescanned and h.gpus & uuids}
+
+    def _foreign_holder(self, uuids: Set[Optional[str]]) -> Optional[Callable[[Holder], bool]]:
+        """Whether a holder makes one of these GPUs busy by the policy's rule for holders (one more holder
+        changes the log line, not the decision); None while the plan has problems."""
+        plan = self.round.plan
+        if plan is None or plan.problems:
+            return None
+        rules = {u: plan.rules[u] for u in uuids if u in plan.rules}
+        # (our workload's process on a GPU it was not given is someone else's use of that GPU)
+        return lambda h: any(
+            u in rules and not h.ours_on(u) and not policy.ignored(h, rules[u]) for u in h.gpus
+        )
+
+    def yield_first(self, now: float) -> None:
+        """The urgent stops a foreign open calls for, sent on what the search has read (confirmed by the look
+        again, as in every round); the round after the rest of the scan logs them with the whole picture."""
+        r = self.round
+        m = r.moment(now)
+        snap = r.snapshot(now, quick=True)
+        for tier in self.p.tiers:  # (a preemptible Slurm job on that GPU: Slurm is asked first, too)
+            tier.ask(snap, m)
+        decision = policy.decide(r.config, m.plan, snap, r.state)
+        stops = tuple(a for a in decision.actions if isinstance(a, Stop) and urgent(a))
+        hit: Set[str] = set()
+        for tier in self.p.tiers:
+            hit |= tier.hit(decision, m)
+        if not stops and not hit:
+            return
+        decision = dataclasses.replace(decision, actions=stops)
+        decision, _snap = r.look_again(m.plan, snap, decision, now, quick=True, also=hit)
+        for tier in self.p.tiers:  # their jobs yield exactly as workloads do
+            tier.yield_first(decision, m)
+        for stop in decision.actions:
+            self._send(stop, m.plan.index_of, now)
+
+    def _send(self, stop: object, index_of: dict, now: float) -> None:
+        sup = self.p.supervisor
+        w = sup.workloads.get(stop.key) if isinstance(stop, Stop) and urgent(stop) else None
+        if w is None or w.stopping:
+            return
+        assert isinstance(stop, Stop)
+        why = words.stop(stop, index_of)
+        sup.stop(stop.key, why, now, urgent=True)
+        self.p.yields.sent_first(stop, w.label, w.pid)
+        log.debug("stopping %s before reading the rest of /proc: %s", w.label, why)
+
+
+def _let_others_run() -> bool:
+    """A scan's `pause` that never pauses, but lets the processes waiting for this core run first."""
+    os.sched_yield()
+    return False
