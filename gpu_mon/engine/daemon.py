@@ -136,9 +136,13 @@ class Daemon:
         self._start_watching()
         _say_hello(self.config, self.source, self.observer.scanner.incremental, self.round.daemon)
         self._set_sentinel()
-        self._poll(self.clock(), full=True)
+        # The nodes are watched before the first scan: an open during that scan is an event, not a poll later.
+        self.observer.read_gpus(process_utilization=False)
         self.opens.rewatch()
         self.closes.rewatch()
+        self._poll(self.clock(), full=True)
+        self.opens.refresh()  # (and the nodes of other mount namespaces the scan found)
+        self.closes.refresh()
         self.loop.announce("ready")
 
     def catch_signals(self) -> None:
