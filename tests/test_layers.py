@@ -168,3 +168,165 @@ def test_each_outside_library_lives_behind_one_module():
             if re.search(rf"^\s*(import {lib}\b|from {lib}[. ])", text, re.M):
                 found.setdefault(lib, set()).add(str(path.relative_to(ROOT)))
     assert found == {lib: {module} for lib, module in OUTSIDE.items()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# The import graph, read from the source (imports inside functions and under TYPE_CHECKING count too).
+
+PACKAGE = ROOT / "gpu_mon"
+# Bottom to top: a unit (a top-level package or module of gpu_mon) imports only units below it.
+LAYERS = (
+    ("gpu_mon.safefile", "gpu_mon.shellwords"),
+    ("gpu_mon.config",),
+    ("gpu_mon.api",),
+    ("gpu_mon",),  # the package itself: the library's public names (Sentinel, get_gpu_usage) and version
+    ("gpu_mon.policy",),
+    ("gpu_mon.engine",),
+    ("gpu_mon.slurm", "gpu_mon.queue"),
+    ("gpu_mon.outputs",),
+    ("gpu_mon.stress",),
+    ("gpu_mon.commands",),
+    ("gpu_mon.cli",),
+    ("gpu_mon.jobids",),
+    ("gpu_mon.__main__", "gpu_mon.docs_gen"),
+)
+
+
+def _modules() -> dict:
+    """{module name: path} of every module in the package."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path, modules: dict) -> set:
+    """The package's modules that `name` imports anywhere in its source (`from pkg import submodule`
+    counts as the submodule alone)."""
+    import ast
+
+    out = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            subs = [f"{prefix}.{a.name}" for a in node.names if f"{prefix}.{a.name}" in modules]
+            targets = subs if len(subs) == len(node.names) else [prefix, *subs]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t.startswith("gpu_mon") and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict) -> list:
+    """Strongly connected components of more than one node (Tarjan's, iterative)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter[0]
+                    counter[0] += 1
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_import_circle_between_modules():
+    assert _cycles(_graph()) == []
+
+
+def test_no_import_circle_between_top_level_packages_and_each_imports_only_layers_below():
+    graph = _graph()
+    units = {}
+    for module, targets in graph.items():
+        units.setdefault(_unit(module), set()).update(_unit(t) for t in targets if _unit(t) != _unit(module))
+    assert _cycles(units) == []
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    assert sorted(units) == sorted(rank), "a top-level package or module is missing from LAYERS"
+    upward = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if _unit(t) != _unit(m) and rank[_unit(t)] >= rank[_unit(m)]
+    )
+    assert upward == []
+
+
+def test_the_policy_never_imports_the_io_core():
+    graph = _graph()
+    policy = {
+        m: sorted(t for t in ts if _unit(t) not in ("gpu_mon.api", "gpu_mon.config", "gpu_mon.policy"))
+        for m, ts in graph.items()
+        if _unit(m) == "gpu_mon.policy"
+    }
+    assert "gpu_mon.policy.decide" in policy
+    assert {m: ts for m, ts in policy.items() if ts} == {}
+
+
+def test_the_import_graph_reader_sees_an_import_inside_a_function(tmp_path):
+    # (the checks above are only as good as this reader)
+    pkg = tmp_path / "gpu_mon"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("def f():\n    from gpu_mon.b import y\n")
+    (pkg / "b.py").write_text("from .a import x\n")
+    modules = {
+        "gpu_mon": pkg / "__init__.py",
+        "gpu_mon.a": pkg / "a" / "__init__.py",
+        "gpu_mon.a.x": pkg / "a" / "x.py",
+        "gpu_mon.b": pkg / "b.py",
+    }
+    graph = {n: _imports(n, p, modules) for n, p in modules.items()}
+    assert graph["gpu_mon.a.x"] == {"gpu_mon.b"} and graph["gpu_mon.b"] == {"gpu_mon.a.x"}
+    assert _cycles(graph) == [["gpu_mon.a.x", "gpu_mon.b"]]
