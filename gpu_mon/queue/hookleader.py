@@ -20,7 +20,7 @@ import subprocess
 from typing import Callable, Dict, List, Tuple
 
 from gpu_mon.engine.workloads import linux
-from gpu_mon.engine.workloads.supervisor import _send_spec, _spawn_leader
+from gpu_mon.engine.workloads.supervisor import send_spec, spawn_leader
 from gpu_mon.queue.hooks import KILL_AFTER
 from gpu_mon.queue.jobs import Job
 
@@ -56,7 +56,7 @@ class LeaderHooks:
         root = os.geteuid() == 0
         devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            popen = _spawn_leader(f"hook {job.id}", devnull, devnull, ())
+            popen = spawn_leader(f"hook {job.id}", devnull, devnull, ())
         finally:
             os.close(devnull)
         spec = {
@@ -72,7 +72,7 @@ class LeaderHooks:
             "stop_signal": int(signal.SIGTERM),
             "stop_timeout_seconds": KILL_AFTER,
         }
-        _send_spec(popen, spec)
+        send_spec(popen, spec)
         return popen, LeaderReach(popen.pid)
 
 

@@ -210,7 +210,7 @@ class Supervisor:
         os.set_blocking(status_r, False)
         try:
             passed = (status_w,) if launch.stdio is None else (status_w, stdio[0])
-            popen = _spawn_leader(label, stdio[1], stdio[2], passed)
+            popen = spawn_leader(label, stdio[1], stdio[2], passed)
         except OSError as err:
             for fd in (out_fd, status_r):
                 if fd is not None:
@@ -241,7 +241,7 @@ class Supervisor:
             "unit_cgroup": launch.unit.group if launch.unit is not None else None,
             "unit_bound": launch.unit is not None and launch.unit.bound,
         }
-        _send_spec(popen, spec)
+        send_spec(popen, spec)
         w = Workload(
             instance=instance,
             label=label,
@@ -637,7 +637,7 @@ def _output(log_path: Optional[str]) -> Tuple[Optional[int], int]:
     return out_fd, write_fd
 
 
-def _spawn_leader(label: str, stdout: int, stderr: int, pass_fds: Tuple[int, ...]) -> subprocess.Popen:
+def spawn_leader(label: str, stdout: int, stderr: int, pass_fds: Tuple[int, ...]) -> subprocess.Popen:
     """The leader process, in its own session, with nothing of ours but the fds it needs."""
     # argv[0] is the interpreter's real path, the label a trailing argument (for `ps`): Python finds its
     # standard library from argv[0], and with a bare name and the working directory / (systemd's) a
@@ -654,7 +654,7 @@ def _spawn_leader(label: str, stdout: int, stderr: int, pass_fds: Tuple[int, ...
     )
 
 
-def _send_spec(popen: subprocess.Popen, spec: dict) -> None:
+def send_spec(popen: subprocess.Popen, spec: dict) -> None:
     try:
         assert popen.stdin is not None
         popen.stdin.write(json.dumps(spec).encode("utf-8"))
