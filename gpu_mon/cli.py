@@ -12,9 +12,9 @@ import difflib
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
-from gpu_mon import __version__, jobids
+from gpu_mon import __version__
 from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base, queue, reference
 from gpu_mon.config import DEFAULT_PATH, ConfigError
@@ -93,6 +93,66 @@ def _add_common(p: argparse.ArgumentParser, top: bool, config: bool = True, sim:
     )
 
 
+# The commands other than the queue's and the reference's, in --help's order: (name, help, description,
+# which common options it takes); each one's own options come from its module (build_parser).
+_COMMANDS: Tuple[Tuple[str, str, Optional[str], Dict[str, bool]], ...] = (
+    (
+        "run",
+        "the daemon, in the foreground (systemd runs it so); logs to stderr",
+        "Run the daemon in the foreground until SIGTERM or Ctrl-C: watch the GPUs, start the config's "
+        "workloads on GPUs nobody else uses, stop them when someone needs one. Logs go to stderr; SIGHUP "
+        "reloads the config. Exit 1 when another daemon has the same state_file, 2 on a bad config.",
+        {},
+    ),
+    (
+        "check",
+        "validate the config and check it against this host; exit 0, 1 or 2",
+        "Read the config and report every problem at once, with its file and line: then check it against "
+        "this host (the GPUs, users, commands and directories it names). Problems that would stop the "
+        "daemon exit 2; GPUs that cannot be read (NVML does not start, or a GPU the config names is "
+        "unreadable: every GPU would count as busy) exit 1; warnings alone exit 0.",
+        {},
+    ),
+    ("status", "GPUs, who holds each, terminal users, workloads", None, {}),
+    (
+        "stress",
+        "built-in CUDA stressor (needs the gpu-mon[stress] extra)",
+        None,
+        {"config": False, "sim": False},
+    ),
+    (
+        "sentinel",
+        "act once (exit, shut down, reboot, run a command) when the GPUs go idle after being busy",
+        "Arm once the GPUs have been busy for --arm-duration, then act once when they have been idle for "
+        "--kill-duration. A GPU that cannot be read counts as active. Exit 0 when end_process fires or "
+        "SIGTERM/SIGINT/SIGQUIT stops it, 1 when the action fails, 2 on bad usage.",
+        {"config": False},
+    ),
+    (
+        "watch",
+        "run CMD; stop its whole process tree when the GPUs it uses stay idle (exit 124)",
+        "Run CMD and stop its whole process tree when the GPUs it uses stay below the threshold for the "
+        "last N samples: exit 124 then, else CMD's own exit status.",
+        {"config": False},
+    ),
+    (
+        "occupy",
+        "your own reservation: wait until GPUs are idle, then hold them (on, off, status)",
+        "Wait until the GPUs are idle for a while, then hold their memory (and compute) in the background "
+        "until `occupy off`; with --yield, give them back whenever anyone else needs one. No root, no "
+        "config file. `occupy status` exits 3 when nothing runs.",
+        {},
+    ),
+    (
+        "report",
+        "what the history says: GPU-hours harvested, preemptions, yield latency, idle holders",
+        "Read the daemon's [history] (read-only) and report on a period: a table, --json, or --plot FILE. "
+        "Exit 1 when there is no history yet.",
+        {"sim": False},
+    ),
+)
+
+
 def build_parser(only_queue: bool = False) -> argparse.ArgumentParser:
     """The whole `gpu-mon` argument parser; `only_queue`: with the queue's commands alone (all that
     `gpu-mon jobs` or `submit` needs: the other commands' modules are not even imported)."""
@@ -112,64 +172,19 @@ def build_parser(only_queue: bool = False) -> argparse.ArgumentParser:
         return parser
     from gpu_mon.commands import occupy, report, sentinel, stress, watch
 
-    p = sub.add_parser(
-        "run",
-        help="the daemon, in the foreground (systemd runs it so); logs to stderr",
-        description="Run the daemon in the foreground until SIGTERM or Ctrl-C: watch the GPUs, start the "
-        "config's workloads on GPUs nobody else uses, stop them when someone needs one. Logs go to "
-        "stderr; SIGHUP reloads the config. Exit 1 when another daemon has the same state_file, 2 on a "
-        "bad config.",
-    )
-    _add_common(p, top=False)
-    p = sub.add_parser(
-        "check",
-        help="validate the config and check it against this host; exit 0, 1 or 2",
-        description="Read the config and report every problem at once, with its file and line: then "
-        "check it against this host (the GPUs, users, commands and directories it names). Problems "
-        "that would stop the daemon exit 2; GPUs that cannot be read (NVML does not start, or a GPU the "
-        "config names is unreadable: every GPU would count as busy) exit 1; warnings alone exit 0.",
-    )
-    _add_common(p, top=False)
-    p = sub.add_parser("status", help="GPUs, who holds each, terminal users, workloads")
-    _add_common(p, top=False)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = sub.add_parser("stress", help="built-in CUDA stressor (needs the gpu-mon[stress] extra)")
-    _add_common(p, top=False, config=False, sim=False)
-    stress.add_arguments(p)
-    p = sub.add_parser(
-        "sentinel",
-        help="act once (exit, shut down, reboot, run a command) when the GPUs go idle after being busy",
-        description="Arm once the GPUs have been busy for --arm-duration, then act once when they have "
-        "been idle for --kill-duration. A GPU that cannot be read counts as active. Exit 0 when "
-        "end_process fires or SIGTERM/SIGINT/SIGQUIT stops it, 1 when the action fails, 2 on bad usage.",
-    )
-    _add_common(p, top=False, config=False)
-    sentinel.add_arguments(p)
-    p = sub.add_parser(
-        "watch",
-        help="run CMD; stop its whole process tree when the GPUs it uses stay idle (exit 124)",
-        description="Run CMD and stop its whole process tree when the GPUs it uses stay below the "
-        "threshold for the last N samples: exit 124 then, else CMD's own exit status.",
-    )
-    _add_common(p, top=False, config=False)
-    watch.add_arguments(p)
-    p = sub.add_parser(
-        "occupy",
-        help="your own reservation: wait until GPUs are idle, then hold them (on, off, status)",
-        description="Wait until the GPUs are idle for a while, then hold their memory (and compute) in the "
-        "background until `occupy off`; with --yield, give them back whenever anyone else needs one. "
-        "No root, no config file. `occupy status` exits 3 when nothing runs.",
-    )
-    _add_common(p, top=False)
-    occupy.add_arguments(p, _add_common)
-    p = sub.add_parser(
-        "report",
-        help="what the history says: GPU-hours harvested, preemptions, yield latency, idle holders",
-        description="Read the daemon's [history] (read-only) and report on a period: a table, --json, or "
-        "--plot FILE. Exit 1 when there is no history yet.",
-    )
-    _add_common(p, top=False, sim=False)
-    report.add_arguments(p)
+    arguments = {
+        "status": lambda p: p.add_argument("--json", action="store_true", help="machine-readable output"),
+        "stress": stress.add_arguments,
+        "sentinel": sentinel.add_arguments,
+        "watch": watch.add_arguments,
+        "occupy": lambda p: occupy.add_arguments(p, _add_common),
+        "report": report.add_arguments,
+    }
+    for name, help_, description, common in _COMMANDS:
+        p = sub.add_parser(name, help=help_, description=description)
+        _add_common(p, top=False, **common)
+        if name in arguments:
+            arguments[name](p)
     queue.add_arguments(sub, _add_common)
     reference.add_arguments(sub)
     _strict_commands(parser)
@@ -201,9 +216,6 @@ def _queue_command(argv: Sequence[str]) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `gpu-mon`; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [jobids.COMMAND]:  # (an entry point older than jobids.console_main)
-        sys.stdout.write("".join(f"{i}\n" for i in jobids.job_ids(argv[1:])))
-        return base.EXIT_OK
     parser = build_parser(only_queue=_queue_command(argv))
     args = parser.parse_args(argv)
     logs.setup(debug=args.debug)
@@ -214,7 +226,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return {"help": reference.cmd_help, "completion": reference.cmd_completion}[args.command](
                 args, parser
             )
-        from gpu_mon.commands import occupy, report, sentinel, stress, watch
+        from gpu_mon.commands import occupy_run, report, sentinel, stress, watch
         from gpu_mon.commands.check import cmd_check
         from gpu_mon.commands.run import cmd_run
         from gpu_mon.commands.status import cmd_status
@@ -226,7 +238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "report":
             return report.cmd_report(args)
         if args.command == "occupy":
-            return occupy.cmd_occupy(args)
+            return occupy_run.cmd_occupy(args)
         if args.command == "watch":
             return watch.cmd_watch(args)
         if args.command == "check":

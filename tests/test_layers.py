@@ -184,7 +184,7 @@ LAYERS = (
     ("gpu_mon.engine",),
     ("gpu_mon.slurm", "gpu_mon.queue"),
     ("gpu_mon.outputs",),
-    ("gpu_mon.stress",),
+    ("gpu_mon.stress", "gpu_mon.reference"),
     ("gpu_mon.commands",),
     ("gpu_mon.cli",),
     ("gpu_mon.jobids",),

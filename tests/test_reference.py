@@ -18,8 +18,8 @@ from gpu_mon import jobids
 from gpu_mon.cli import build_parser
 from gpu_mon.config import DEFAULT_PATH, QueueSection
 from gpu_mon.docs_gen import __main__ as docs_gen
-from gpu_mon.docs_gen import completion, model
 from gpu_mon.queue import jobs as J
+from gpu_mon.reference import completion, model
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "man" / "gpu-mon.1"

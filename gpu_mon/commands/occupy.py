@@ -168,39 +168,6 @@ def add_arguments(p: argparse.ArgumentParser, common) -> None:
     common(sub.add_parser("serve"), top=False, config=False, sim=False)
 
 
-def cmd_occupy(args: argparse.Namespace) -> int:
-    """Dispatch on / off / status / serve."""
-    from gpu_mon.commands import occupy_run
-
-    if args.occupy_command == "status" and args.all:
-        return status_all(args)
-    return {
-        "on": occupy_run.on,
-        "off": occupy_run.off,
-        "status": occupy_run.status,
-        "serve": occupy_run.serve,
-    }[args.occupy_command](args)
-
-
-def status_all(args: argparse.Namespace) -> int:
-    """Every user's live occupier (api/occupiers.py): exit 0, or 3 when there is none."""
-    from gpu_mon.api.occupiers import list_occupiers, registry_dir, registry_problem
-    from gpu_mon.outputs.status import occupier_lines
-
-    problem = registry_problem(registry_dir())
-    if problem:
-        print(f"gpu-mon occupy: warning: no record believed: {problem}", file=sys.stderr)
-    found = list_occupiers()
-    if args.json:
-        print(json.dumps({"occupiers": found, "registry": registry_dir()}, indent=2))
-    elif found:
-        lines = occupier_lines(found, [], time.time())
-        print("\n".join(["gpu-mon occupy: every user's occupier on this host:", *lines]))
-    else:
-        print("gpu-mon occupy: no occupier runs on this host")
-    return base.EXIT_OK if found else EXIT_NOT_RUNNING
-
-
 # ----------------------------------------------------------------------------------------------- record
 
 

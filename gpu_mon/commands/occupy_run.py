@@ -290,3 +290,34 @@ def _status_lines(found: dict, log_path: str) -> List[str]:
     lines += [f"  {b}" for b in found["blocked_by"]]
     lines.append(f"log: {log_path}")
     return lines
+
+
+def cmd_occupy(args: argparse.Namespace) -> int:
+    """Dispatch on / off / status / serve."""
+    if args.occupy_command == "status" and args.all:
+        return status_all(args)
+    return {
+        "on": on,
+        "off": off,
+        "status": status,
+        "serve": serve,
+    }[args.occupy_command](args)
+
+
+def status_all(args: argparse.Namespace) -> int:
+    """Every user's live occupier (api/occupiers.py): exit 0, or 3 when there is none."""
+    from gpu_mon.api.occupiers import list_occupiers, registry_dir, registry_problem
+    from gpu_mon.outputs.status import occupier_lines
+
+    problem = registry_problem(registry_dir())
+    if problem:
+        print(f"gpu-mon occupy: warning: no record believed: {problem}", file=sys.stderr)
+    found = list_occupiers()
+    if args.json:
+        print(json.dumps({"occupiers": found, "registry": registry_dir()}, indent=2))
+    elif found:
+        lines = occupier_lines(found, [], time.time())
+        print("\n".join(["gpu-mon occupy: every user's occupier on this host:", *lines]))
+    else:
+        print("gpu-mon occupy: no occupier runs on this host")
+    return base.EXIT_OK if found else oc.EXIT_NOT_RUNNING

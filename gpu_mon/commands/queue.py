@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import time
-from typing import Callable, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.commands import base
@@ -32,7 +32,7 @@ TABLE_WAITING = 100  # queued or held jobs the table lists without --all (--json
 
 
 def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., None]) -> None:
-    """The six queue commands."""
+    """The queue's commands."""
     p = sub.add_parser(
         "submit",
         help="queue a command to run as you on free GPUs, yielding to anyone else's use",
@@ -43,73 +43,12 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         "exit 1 when refused, 2 on bad usage; with --wait the job's own exit status (124: time limit).",
     )
     add_common(p, top=False, sim=False)
-    p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs (default 1)")
-    p.add_argument("--name", default="", help="a name for `jobs` (at most 64 characters)")
-    p.add_argument(
-        "--priority",
-        type=int,
-        default=0,
-        metavar="P",
-        help="higher goes first (default 0; -1000000 to 1000000)",
-    )
-    p.add_argument(
-        "--after",
-        default="",
-        metavar="ID[,ID...]",
-        help="start only after these jobs are done (17: every element of array 17; 17_5: one element)",
-    )
-    p.add_argument(
-        "--array",
-        metavar="SPEC",
-        help="queue an array: one job per index (0-199, 1,3,5-9, 0-99:5; %%N: at most N running at once), "
-        "each with GPU_MON_ARRAY_ID and GPU_MON_ARRAY_INDEX",
-    )
-    p.add_argument(
-        "--notify",
-        metavar="CMD",
-        help="run CMD (sh -c, as you, in the job's directory) when the job ends or is preempted "
-        "(default: ~/.config/gpu-mon/notify when executable); an array: when its last element ends",
-    )
-    p.add_argument("--notify-each", action="store_true", help="an array: notify for each element")
-    p.add_argument(
-        "--stop-signal",
-        default="SIGTERM",
-        metavar="SIG",
-        help="signal to stop it, sent to all its processes: TERM (default), INT, HUP, QUIT, USR1, USR2, "
-        "ALRM, WINCH or PWR (B:USR1 as --stop-main-only)",
-    )
-    p.add_argument(
-        "--stop-main-only",
-        action="store_true",
-        help="send the stop signal to its main process only (its SIGTERM and SIGKILL still reach all)",
-    )
-    p.add_argument("--grace", type=float, metavar="SECONDS", help="stop signal to SIGKILL (default [queue])")
-    p.add_argument("--time-limit", metavar="DURATION", help="stop it after this long (90, 30m, 2h, 1d)")
-    p.add_argument(
-        "--output",
-        metavar="FILE",
-        help=f"stdout and stderr (default ~/{DEFAULT_OUTPUT}/ID.log); %%A array id, %%a index, %%j job id",
-    )
-    p.add_argument("--no-requeue", action="store_true", help="when preempted, end as `preempted`")
-    p.add_argument("--hold", action="store_true", help="queue it held: it waits for `gpu-mon release`")
-    p.add_argument("--wait", action="store_true", help="wait for the end; exit with the job's status")
+    _add(p, _SUBMIT_OPTIONS)
     _add_timeout(p, "with --wait: ")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="what to run")
+    _add(p, _SUBMIT_LAST)
     p = sub.add_parser("jobs", help="the queue's jobs and why each waits", description="List the queue.")
     add_common(p, top=False, sim=False)
-    p.add_argument(
-        "--all",
-        action="store_true",
-        help=f"finished jobs too, and every waiting one (the table lists the first {TABLE_WAITING})",
-    )
-    p.add_argument("--user", help="only this user's jobs")
-    p.add_argument("--me", action="store_true", help="only your own jobs")
-    p.add_argument("--state", choices=J.STATES, help="only jobs in this state")
-    p.add_argument("--name", help="only jobs with this name (every element of a named array)")
-    p.add_argument("--expand", action="store_true", help="an array's elements one a line (default: by state)")
-    p.add_argument("--json", action="store_true", help="machine-readable output (every element of arrays)")
-    p.add_argument("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)")
+    _add(p, _JOBS_OPTIONS)
     for name, what in (("cancel", "cancel your"), ("hold", "hold your"), ("release", "release your held")):
         p = sub.add_parser(
             name,
@@ -640,3 +579,86 @@ class _Output:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
         return offset + len(data)
+
+
+def _opt(*flags: str, **options: object) -> Tuple[Tuple[str, ...], Dict[str, object]]:
+    return flags, options
+
+
+def _add(p: argparse.ArgumentParser, options: tuple) -> None:
+    for flags, kw in options:
+        p.add_argument(*flags, **kw)
+
+
+# The options of `submit` and `jobs` in --help's order, (flags, argparse keywords); below the functions
+# they name (_job_id)
+_SUBMIT_OPTIONS = (
+    _opt("--gpus", type=int, default=1, metavar="N", help="GPUs the job needs (default 1)"),
+    _opt("--name", default="", help="a name for `jobs` (at most 64 characters)"),
+    _opt(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="P",
+        help="higher goes first (default 0; -1000000 to 1000000)",
+    ),
+    _opt(
+        "--after",
+        default="",
+        metavar="ID[,ID...]",
+        help="start only after these jobs are done (17: every element of array 17; 17_5: one element)",
+    ),
+    _opt(
+        "--array",
+        metavar="SPEC",
+        help="queue an array: one job per index (0-199, 1,3,5-9, 0-99:5; %%N: at most N running at once), "
+        "each with GPU_MON_ARRAY_ID and GPU_MON_ARRAY_INDEX",
+    ),
+    _opt(
+        "--notify",
+        metavar="CMD",
+        help="run CMD (sh -c, as you, in the job's directory) when the job ends or is preempted "
+        "(default: ~/.config/gpu-mon/notify when executable); an array: when its last element ends",
+    ),
+    _opt("--notify-each", action="store_true", help="an array: notify for each element"),
+    _opt(
+        "--stop-signal",
+        default="SIGTERM",
+        metavar="SIG",
+        help="signal to stop it, sent to all its processes: TERM (default), INT, HUP, QUIT, USR1, USR2, "
+        "ALRM, WINCH or PWR (B:USR1 as --stop-main-only)",
+    ),
+    _opt(
+        "--stop-main-only",
+        action="store_true",
+        help="send the stop signal to its main process only (its SIGTERM and SIGKILL still reach all)",
+    ),
+    _opt("--grace", type=float, metavar="SECONDS", help="stop signal to SIGKILL (default [queue])"),
+    _opt("--time-limit", metavar="DURATION", help="stop it after this long (90, 30m, 2h, 1d)"),
+    _opt(
+        "--output",
+        metavar="FILE",
+        help=f"stdout and stderr (default ~/{DEFAULT_OUTPUT}/ID.log); %%A array id, %%a index, %%j job id",
+    ),
+    _opt("--no-requeue", action="store_true", help="when preempted, end as `preempted`"),
+    _opt("--hold", action="store_true", help="queue it held: it waits for `gpu-mon release`"),
+    _opt("--wait", action="store_true", help="wait for the end; exit with the job's status"),
+)
+_SUBMIT_LAST = (
+    _opt("--json", action="store_true", help="machine-readable output"),
+    _opt("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]", help="what to run"),
+)
+_JOBS_OPTIONS = (
+    _opt(
+        "--all",
+        action="store_true",
+        help=f"finished jobs too, and every waiting one (the table lists the first {TABLE_WAITING})",
+    ),
+    _opt("--user", help="only this user's jobs"),
+    _opt("--me", action="store_true", help="only your own jobs"),
+    _opt("--state", choices=J.STATES, help="only jobs in this state"),
+    _opt("--name", help="only jobs with this name (every element of a named array)"),
+    _opt("--expand", action="store_true", help="an array's elements one a line (default: by state)"),
+    _opt("--json", action="store_true", help="machine-readable output (every element of arrays)"),
+    _opt("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)"),
+)

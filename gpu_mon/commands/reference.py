@@ -38,7 +38,7 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:
 
 def cmd_help(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print the help asked for."""
-    from gpu_mon.docs_gen import topics
+    from gpu_mon.reference import topics
 
     words: List[str] = list(args.what)
     named = {t.name: t for t in topics.TOPICS}
@@ -63,7 +63,7 @@ def cmd_help(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def cmd_completion(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print a completion script."""
-    from gpu_mon.docs_gen import completion, model
+    from gpu_mon.reference import completion, model
 
     sys.stdout.write(completion.script(args.shell, model.command(parser)))
     return base.EXIT_OK

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from gpu_mon.docs_gen import completion, manpage, model
+from gpu_mon.reference import completion, manpage, model
 
 
 def generated() -> Dict[str, str]:

@@ -30,7 +30,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from gpu_mon.outputs.metrics import Family, MetricsError
+from gpu_mon.outputs.families import Family, MetricsError
 
 # What generate_latest writes. (prometheus_client's CONTENT_TYPE_LATEST says 1.0.0 in newer versions; every
 # name here is a classic one, so 0.0.4 is exact and older Prometheus servers, Debian 12's 2.42, take it.)

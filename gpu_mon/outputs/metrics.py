@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from gpu_mon import __version__, safefile
 from gpu_mon.config import MetricsSection
+from gpu_mon.outputs.families import Family, MetricsError
 from gpu_mon.policy import gpustate
 from gpu_mon.policy.report import RoundReport
 from gpu_mon.queue import jobs as J
@@ -37,22 +38,6 @@ SCAN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 # Submission (or requeue) to start of a queued job: a second to a day.
 WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
 TEXTFILE_MIN_GAP = 1.0  # seconds between two writes of the textfile (a round can come every few ms)
-
-
-class MetricsError(Exception):
-    """[metrics] cannot be served (the extra is missing, the port is taken...); str() is one line."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """One metric as exposed. A histogram sample's value is (cumulative counts per bucket and +Inf, sum)."""
-
-    name: str  # counters end in _total
-    kind: str  # gauge, counter or histogram
-    help: str
-    labels: Tuple[str, ...]
-    samples: Tuple[Tuple[Tuple[str, ...], object], ...]
-    buckets: Tuple[float, ...] = ()
 
 
 class Histogram:

@@ -2,7 +2,7 @@
 
 Static: a TAB runs no Python, except for the job ids of `cancel`, `hold`, `release` and `logs`, which the
 scripts get from `gpu-mon _job-ids COMMAND` (gpu_mon/jobids.py: the user's own jobs, from the daemon).
-`gpu-mon help <TAB>` offers the commands and the topics (gpu_mon/docs_gen/topics.py), every word after it.
+`gpu-mon help <TAB>` offers the commands and the topics (gpu_mon/reference/topics.py), every word after it.
 bash and zsh share the tables (shell functions that set REPLY, so a TAB forks nothing); fish gets its own
 `complete` lines over the same data.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from gpu_mon.config import STOP_SIGNALS
-from gpu_mon.docs_gen import model, topics
+from gpu_mon.reference import model, topics
 
 SHELLS = ("bash", "zsh", "fish")
 # Where the .deb installs each (debian/gpu-mon.install), relative to docs/completion/.
