@@ -153,6 +153,11 @@ class Observer:
         else:
             result = self.scanner.changed(pause=pause)
         self.scan_times.append((mode, time.perf_counter() - began))
+        self._take(result, ours)
+
+    def _take(self, result: holders.ScanResult, ours: Given) -> None:
+        """What a scan found becomes the holders (a reused pid read again next time), and the processes
+        that cannot be read are said once each."""
         self.scan_complete = result.complete
         self.scan_paused = result.paused
         self.last_rescanned = result.rescanned
@@ -175,7 +180,11 @@ class Observer:
             self._ancestors = set(procfs.ancestors(self.own_pid, self.proc))
         # Our own ancestors (systemd, the admin's shell, a container's init) supervise gpu-mon; they are not
         # GPU users, and some (a sandbox's init with more capabilities than ours) even root cannot inspect.
-        denied = tuple(p for p in result.denied if p not in self._ancestors)
+        self._say_denied(tuple(p for p in result.denied if p not in self._ancestors))
+        if self.after_scan is not None and result.complete:
+            self.after_scan()
+
+    def _say_denied(self, denied: Tuple[int, ...]) -> None:
         self.denied_pids = denied
         new_denied = set(denied) - self._denied_logged
         if new_denied and self.warn_denied:
@@ -187,8 +196,6 @@ class Observer:
                 "" if os.geteuid() == 0 else "; run gpu-mon as root to see every process",
             )
             self._denied_logged |= new_denied
-        if self.after_scan is not None and result.complete:
-            self.after_scan()
 
     def full_paused(self) -> bool:
         """Whether a full scan paused and has not finished since."""

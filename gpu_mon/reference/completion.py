@@ -184,23 +184,74 @@ def _zsh(top: model.Command) -> str:
         + HEADER.format(shell="zsh")
         + "\n"
         + _shell_tables(top)
-        + """
+        + _ZSH_DESCRIBED.format(cases="\n".join(helps))
+        + walk
+        + _ZSH_MAIN
+    )
+
+
+def _fish(top: model.Command) -> str:
+    """`complete` lines, each under a condition on the command path (__gpu_mon_path)."""
+    takes = sorted(
+        {f"{_key(c)} {f}" for c in model.walk(top) for o in c.options if o.metavar for f in o.flags}
+    )
+    subs = sorted({_key(s) for c in model.walk(top) for s in c.commands})
+    out = [
+        HEADER.format(shell="fish"),
+        f"set -g __gpu_mon_takes_value {' '.join(_q(t) for t in takes)}",
+        f"set -g __gpu_mon_commands {' '.join(_q(s) for s in subs)}",
+        _FISH_FUNCTIONS,
+    ]
+    for c in model.walk(top):
+        out.extend(_fish_command(c, top))
+    return "\n".join(out) + "\n"
+
+
+def _fish_command(c: model.Command, top: model.Command) -> List[str]:
+    """The `complete` lines of one command: its subcommands, positionals and options."""
+    out = []
+    cond = f"-n {_q('__gpu_mon_at ' + _q(_key(c)))}"
+    for s in c.commands:
+        out.append(f"complete -c gpu-mon {cond} -a {_q(s.path[-1])} -d {_q(s.help)}")
+    for o in c.options:
+        if not o.flags:
+            if o.value == model.JOB_ID:
+                out.append(f"complete -c gpu-mon {cond} -a '(__gpu_mon_job_ids)'")
+            elif o.value == model.HELP:
+                for word, what in _help_words(top):
+                    out.append(f"complete -c gpu-mon {cond} -a {_q(word)} -d {_q(what)}")
+            elif o.choices:
+                out.append(f"complete -c gpu-mon {cond} -a {_q(' '.join(o.choices))}")
+            continue
+        names = " ".join(f"-l {f[2:]}" if f.startswith("--") else f"-s {f[1:]}" for f in o.flags)
+        arg = ""
+        if o.choices:
+            arg = f" -x -a {_q(' '.join(o.choices))}"
+        elif o.value == model.SIGNAL:
+            arg = f" -x -a {_q(' '.join(SIGNALS))}"
+        elif o.value == model.FILE:
+            arg = " -r -F"
+        elif o.metavar:
+            arg = " -x"
+        out.append(f"complete -c gpu-mon {cond} {names}{arg} -d {_q(o.help)}")
+    return out
+
+
+# zsh: the commands after $1 with what each does ({cases}: one case a command), and the completer
+_ZSH_DESCRIBED = """
 # the commands after $1, with what each does
-_gpu_mon_described() {
+_gpu_mon_described() {{
     case "$1" in
-"""
-        + "\n".join(helps)
-        + """
+{cases}
     *) described=() ;;
     esac
-}
+}}
 
-_gpu-mon() {
-    local cur=${words[CURRENT]} REPLY
+_gpu-mon() {{
+    local cur=${{words[CURRENT]}} REPLY
     local -a described
 """
-        + walk
-        + """    if ((rest)); then
+_ZSH_MAIN = """    if ((rest)); then
         _normal
         return
     fi
@@ -244,20 +295,8 @@ else
     compdef _gpu-mon gpu-mon
 fi
 """
-    )
-
-
-def _fish(top: model.Command) -> str:
-    """`complete` lines, each under a condition on the command path (__gpu_mon_path)."""
-    takes = sorted(
-        {f"{_key(c)} {f}" for c in model.walk(top) for o in c.options if o.metavar for f in o.flags}
-    )
-    subs = sorted({_key(s) for c in model.walk(top) for s in c.commands})
-    out = [
-        HEADER.format(shell="fish"),
-        f"set -g __gpu_mon_takes_value {' '.join(_q(t) for t in takes)}",
-        f"set -g __gpu_mon_commands {' '.join(_q(s) for s in subs)}",
-        """
+# fish: the command path being completed, and the job ids
+_FISH_FUNCTIONS = """
 # The command path being completed ('', occupy, occupy/on); 'REST' inside a command's own arguments.
 function __gpu_mon_path
     set -l words (commandline -opc)
@@ -302,31 +341,4 @@ function __gpu_mon_job_ids
 end
 
 complete -c gpu-mon -f
-complete -c gpu-mon -n '__gpu_mon_at REST' -F""",
-    ]
-    for c in model.walk(top):
-        cond = f"-n {_q('__gpu_mon_at ' + _q(_key(c)))}"
-        for s in c.commands:
-            out.append(f"complete -c gpu-mon {cond} -a {_q(s.path[-1])} -d {_q(s.help)}")
-        for o in c.options:
-            if not o.flags:
-                if o.value == model.JOB_ID:
-                    out.append(f"complete -c gpu-mon {cond} -a '(__gpu_mon_job_ids)'")
-                elif o.value == model.HELP:
-                    for word, what in _help_words(top):
-                        out.append(f"complete -c gpu-mon {cond} -a {_q(word)} -d {_q(what)}")
-                elif o.choices:
-                    out.append(f"complete -c gpu-mon {cond} -a {_q(' '.join(o.choices))}")
-                continue
-            names = " ".join(f"-l {f[2:]}" if f.startswith("--") else f"-s {f[1:]}" for f in o.flags)
-            arg = ""
-            if o.choices:
-                arg = f" -x -a {_q(' '.join(o.choices))}"
-            elif o.value == model.SIGNAL:
-                arg = f" -x -a {_q(' '.join(SIGNALS))}"
-            elif o.value == model.FILE:
-                arg = " -r -F"
-            elif o.metavar:
-                arg = " -x"
-            out.append(f"complete -c gpu-mon {cond} {names}{arg} -d {_q(o.help)}")
-    return "\n".join(out) + "\n"
+complete -c gpu-mon -n '__gpu_mon_at REST' -F"""
