@@ -3,8 +3,9 @@
 An inotify fd of its own (IN_CLOSE on the nodes the open watch watches), so that a close never makes an open
 look pending (scans pause for opens, not closes). A close matters only when someone other than gpu-mon holds
 that GPU: then the next poll (NVML read, holders looked at again) is brought forward, at most one every
-CLOSE_POLL_GAP seconds; the GPU found free starts its start delay from there. Closes by our own workloads
-and of GPUs nobody else holds cost one read of the fd and nothing else."""
+CLOSE_POLL_GAP seconds, and one more follows CLOSE_AGAIN seconds later (a driver may list the holder's
+context a while after its close); the GPU found free starts its start delay from there. Closes by our
+own workloads and of GPUs nobody else holds cost one read of the fd and nothing else."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from gpu_mon.engine.inotify import IN_CLOSE, Inotify
 
 log = logging.getLogger("gpu_mon")
 
-CLOSE_POLL_GAP = 0.02
+CLOSE_POLL_GAP = 0.1  # (a CUDA program opens and closes the nodes dozens of times as it starts)
+CLOSE_AGAIN = 0.3
 
 
 class CloseWatch:

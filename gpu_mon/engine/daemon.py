@@ -23,7 +23,7 @@ from gpu_mon.api.observe import Backend, Observer, unexplained
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.config import Config, ConfigError
 from gpu_mon.engine import reload, scanclock
-from gpu_mon.engine.closes import CLOSE_POLL_GAP, CloseWatch
+from gpu_mon.engine.closes import CLOSE_AGAIN, CLOSE_POLL_GAP, CloseWatch
 from gpu_mon.engine.idle import DaemonSentinel
 from gpu_mon.engine.idlecommand import IdleCommands
 from gpu_mon.engine.idleround import IdleRound
@@ -194,7 +194,7 @@ class Daemon:
                 self.opens.read()
             elif kind == "closes":
                 if self.closes.read():  # a holder let go: is its GPU free now?
-                    self.scans.poll_soon(now, CLOSE_POLL_GAP)
+                    self.scans.poll_soon(now, CLOSE_POLL_GAP, CLOSE_AGAIN)
             elif self.supervisor.dispatch(kind, name, now) is not None:
                 exits = True
         self._take_signals(now)

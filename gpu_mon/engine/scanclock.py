@@ -40,18 +40,20 @@ class ScanClock:
         self.deferred_full: Optional[float] = None
         self.last_event_full = -1e9
         self.last_early_poll = -1e9
+        self.again_at: Optional[float] = None  # a poll after one brought forward (the driver's late release)
         self.owed: Optional[str] = None  # the mode of a scan that paused for an open
         self.every_next = False  # the next full scan reads every process (see Observer.scan)
 
     def deadlines(self) -> Tuple[Optional[float], ...]:
         """When the loop must wake for a scan (a scan that paused goes on at once)."""
-        return (self.next_poll, self.deferred_full, 0.0 if self.owed is not None else None)
+        return (self.next_poll, self.again_at, self.deferred_full, 0.0 if self.owed is not None else None)
 
     def due(self, now: float) -> Optional[str]:
         """The scan this wake owes, if any: OWED, FULL_POLL, POLL or DEFERRED."""
         if self.owed is not None:
             return OWED
-        if now >= self.next_poll or self.full_requested:
+        again = self.again_at is not None and now >= self.again_at
+        if now >= self.next_poll or self.full_requested or again:
             return FULL_POLL if now >= self.next_full or self.full_requested else POLL
         if self.deferred_full is not None and now >= self.deferred_full:
             return DEFERRED
@@ -61,11 +63,13 @@ class ScanClock:
         """A poll at this wake (a reload, a queue that started)."""
         self.next_poll = min(self.next_poll, now)
 
-    def poll_soon(self, now: float, gap: float) -> None:
-        """A poll now, or `gap` after the last one brought forward this way (a holder let go of a GPU)."""
+    def poll_soon(self, now: float, gap: float, again: float) -> None:
+        """A poll now, or `gap` after the last one brought forward this way, and one more `again` seconds
+        later (a holder let go of a GPU: NVML may list its context a while after its close)."""
         at = max(now, self.last_early_poll + gap)
         if at < self.next_poll:
             self.next_poll = self.last_early_poll = at
+        self.again_at = now + again
 
     def polling(self, now: float, full: bool, incremental: bool) -> bool:
         """A poll begins: the next ones set; whether it reads per-process utilization."""
@@ -75,6 +79,8 @@ class ScanClock:
             self.next_utilization = now + min(UTILIZATION_SECONDS, UTILIZATION_POLLS * d.interval_seconds)
         self.next_poll = now + d.interval_seconds
         self.full_requested = False
+        if self.again_at is not None and now >= self.again_at:
+            self.again_at = None
         if full or not incremental:
             self.next_full = now + d.full_scan_seconds
         return sample
