@@ -68,7 +68,10 @@ def test_preemptions_and_state_durations_are_recorded(tmp_path, sim, daemon_fact
     keys = ["harvested_seconds", "foreign_seconds", "idle_seconds", "paused_seconds", "unknown_seconds"]
     assert set(g0) >= {"uuid", "index", "name", "preemptions", "yield_ms_p50", "yield_ms_p99", *keys}
     assert g0["preemptions"] == 2 and g0["yield_ms_p50"] is not None
-    assert g0["harvested_seconds"] > 0 and g0["foreign_seconds"] > 0
+    # (each foreign stretch lasts from the open to the opener's close: a few ms, said to 0.1 s)
+    foreign = rows(db, "SELECT \"end\" - start FROM intervals WHERE state = 'foreign'")
+    assert len(foreign) == 2 and all(s > 0 for (s,) in foreign)
+    assert g0["harvested_seconds"] > 0 and g0["foreign_seconds"] == round(sum(s for (s,) in foreign), 1)
     assert abs(sum(g0[k] for k in keys) - 3600) <= 1.0  # the five states cover the hour
     assert doc["processes"][0]["name"] == "w" and doc["processes"][0]["runs"] == 3
     text = report(d.config_path, "--since", "1h").stdout
