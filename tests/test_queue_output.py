@@ -213,7 +213,7 @@ def test_the_line_writer_of_jobs_under_systemd_appends_only_to_a_regular_file(tm
     after a partial line, never through a link at the end, never opening a FIFO, never making a file."""
     import subprocess
 
-    from gpu_mon.engine import outside
+    from gpu_mon.queue import outside
 
     def write(path: Path, text: str) -> None:
         argv = ["/bin/sh", "-c", outside.NOTE_SCRIPT, "gpu-mon-note", str(path), text]
