@@ -37,6 +37,26 @@ UUIDS = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(8)]
 pytest_plugins = ["machine_guard"]
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run stopped with SIGTERM or SIGHUP (a CI job cancelled, a terminal closed) ends as Ctrl-C does:
+    pytest then tears every fixture down, so the test daemons stop their workloads and nothing is left."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, _interrupt)
+
+
+def _die_with_parent() -> None:
+    """In a test daemon's child before exec: SIGTERM when the test run dies, even by SIGKILL (the daemon
+    then stops its workloads as on any SIGTERM)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     """Tests marked `gpu` need a real NVIDIA GPU: skipped (only they) where NVML finds none."""
     if not any(item.get_closest_marker("gpu") for item in items):
@@ -366,6 +386,7 @@ class Daemon:
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         return self
 
