@@ -73,6 +73,10 @@ def test_what_cannot_start_is_refused_at_submit_as_the_user_and_nothing_is_queue
     lab.wait_state(ann, one, "done")
     wait_for(lambda: {j["state"] for j in lab.jobs(ann).values()} == {"done"}, 30, "the array's end")
     assert (ann.home / f"sweep/logs/{arr}_1.log").read_text() == "el 1\n"
+    # `gpu-mon submit` checked it as the user and says so: the daemon answers at once, without checking
+    # again (a client that says so falsely harms only its own job, which fails later with the true cause)
+    said = _raw(lab, ann, {**req, "output": "/root/out.log", "hold": True, "checked_as_user": True})
+    assert said["ok"] is True and lab.jobs(ann)[said["id"]]["state"] == "held"
 
 
 def test_a_user_whose_home_does_not_exist_is_told_at_submit(lab, daemon_factory):

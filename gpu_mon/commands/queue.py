@@ -184,6 +184,9 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         size = len(args.array)
         raise CliError(f"--array: the spec is too long ({size} characters; at most {arrays.MAX_SPEC})")
     _check_as_me(req)
+    # (the daemon need not check it again: a client that says so falsely only makes its own job fail later,
+    # with the true cause; a request without it is checked by the daemon as its user)
+    req["checked_as_user"] = True
     answer = _ask(socket, req)
     elements = answer.get("elements")
     if args.json:
