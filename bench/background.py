@@ -142,7 +142,12 @@ def queue_request(path: str, obj: dict, timeout: float = 60.0) -> dict:
     header = struct.Struct(">I")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
-        s.connect(path)
+        for _ in range(2000):  # (a full backlog in a flood of connections: EAGAIN; again, as a client does)
+            try:
+                s.connect(path)
+                break
+            except BlockingIOError:
+                time.sleep(0.005)
         body = json.dumps(obj).encode()
         s.sendall(header.pack(len(body)) + body)
         buf = bytearray()

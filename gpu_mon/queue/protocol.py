@@ -85,6 +85,21 @@ class FrameReader:
         return obj
 
 
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect; while the daemon's backlog is full (EAGAIN: a flood of connections, someone else's), try
+    again a little later, until the deadline (a unix socket's connect does not wait, as TCP's does)."""
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise socket.timeout from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
 def request(path: str, obj: dict, timeout: float = 30.0) -> dict:
     """Send one request to the daemon and return its answer; NoDaemon when nothing listens there."""
     deadline = time.monotonic() + timeout
@@ -92,7 +107,7 @@ def request(path: str, obj: dict, timeout: float = 30.0) -> dict:
     try:
         sock.settimeout(timeout)
         try:
-            sock.connect(path)
+            _connect(sock, path, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
             raise NoDaemon(
                 f"no gpu-mon daemon answers on {path} (is it running with a [queue] section?)"
