@@ -173,3 +173,10 @@ def extract_ref(repo: Path, ref: str, dest: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(repo), "archive", ref], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return dest
+
+
+def no_storage_caps(code: Path) -> str:
+    """The per-user storage caps off, in a version that has them (a load about memory or speed, not disk)."""
+    schema = code / "gpu_mon" / "config" / "schema_features.py"
+    known = schema.exists() and "max_stored_mib_per_user" in schema.read_text()
+    return "max_kept_per_user = 0\nmax_stored_mib_per_user = 0\n" if known else ""

@@ -164,6 +164,7 @@ class Run:
             f"[history]\nenabled = no\n[gpu-all]\ngpus = ALL\n"
             f"[queue]\nsocket = {self.socket}\ndatabase = {self.dir / 'queue.sqlite'}\n"
             f"max_queued_per_user = 1000000\nstart_delay_seconds = {start_delay:g}\n"
+            + bg.no_storage_caps(code)  # (10 000 jobs and the arrays: a load about speed, not disk)
         )
         self.holders = [
             subprocess.Popen(

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import extract_ref, queue_request, sim_gpus, start_daemon, table  # noqa: E402
+from background import extract_ref, no_storage_caps, queue_request, sim_gpus, start_daemon, table  # noqa: E402
 
 PROG = "bench/queue_memory.py"
 DEFAULT_BASELINE = "7c4bf7b"  # before answers in pages and the limits on what one user's clients hold
@@ -166,13 +166,6 @@ def status_kb(pid: int, key: str) -> Optional[int]:
     return None
 
 
-def _no_storage_caps(code: Path) -> str:
-    """The per-user storage caps off, in a version that has them (the load is about memory, not disk)."""
-    schema = code / "gpu_mon" / "config" / "schema_features.py"
-    known = schema.exists() and "max_stored_mib_per_user" in schema.read_text()
-    return "max_kept_per_user = 0\nmax_stored_mib_per_user = 0\n" if known else ""
-
-
 class Run:
     """One daemon under test (this checkout or the baseline)."""
 
@@ -186,7 +179,7 @@ class Run:
             f"[defaults]\nstate_file = {self.dir / 'state.json'}\ninterval_seconds = 2\n"
             f"[history]\nenabled = no\n[gpu-all]\ngpus = ALL\n"
             f"[queue]\nsocket = {self.socket}\ndatabase = {self.dir / 'queue.sqlite'}\n"
-            f"max_queued_per_user = 100000\n{_no_storage_caps(code)}"
+            f"max_queued_per_user = 100000\n{no_storage_caps(code)}"
         )
         self.daemon, self.log = start_daemon(self.dir, self.conf, str(code))
         deadline = time.monotonic() + 60
