@@ -8,6 +8,8 @@ deadline and fails with what it was waiting for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import pwd
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -35,26 +38,41 @@ WORKLOAD_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else 
 UUIDS = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(8)]
 # Fails a module, and the run, that changes the machine's own gpu-mon files (/etc/gpu_mon.conf, ...).
 pytest_plugins = ["machine_guard"]
+PR_SET_PDEATHSIG = 1  # prctl(2); looked up here, not in a forked child (no dlopen between fork and exec)
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _interrupt(signum: int, _frame: object) -> None:
+# Signals that stop a run (a CI timeout, `timeout`, `systemctl stop`; a closed terminal) as Ctrl-C does.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_as_ctrl_c(signum: int, frame: object) -> None:
+    """Turn the first stop signal into a KeyboardInterrupt: pytest then tears the fixtures down (a test
+    daemon stops its workloads, test users and directories go) and exits 2. Later ones do nothing, so they
+    cannot cut that teardown short (SIGKILL still can: the test daemons die with the run, Daemon.start)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A run stopped with SIGTERM or SIGHUP (a CI job cancelled, a terminal closed) ends as Ctrl-C does:
-    pytest then tears every fixture down, so the test daemons stop their workloads and nothing is left."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, _interrupt)
+    """Without this, SIGTERM or SIGHUP ends the run at once and leaves its daemons and workloads running.
+    A signal the run was started with ignored (nohup) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _stop_as_ctrl_c)
 
 
-def _die_with_parent() -> None:
-    """In a test daemon's child before exec: SIGTERM when the test run dies, even by SIGKILL (the daemon
-    then stops its workloads as on any SIGTERM)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _dies_with_the_run(parent: int) -> None:
+    """In a test daemon, before its exec: SIGTERM when the thread that started it ends (pytest SIGKILLed),
+    so that it stops its workloads as for an admin's stop instead of running on. The product never asks this:
+    only the tests' launch does. `parent`: the run's pid."""
+    if _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the run died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
@@ -379,6 +397,9 @@ class Daemon:
     def start(self) -> Daemon:
         """Start `gpu-mon run` in its own session."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the daemon writes it until cleanup()
+        # The thread that starts it is its parent for PR_SET_PDEATHSIG: only pytest's main thread lives as
+        # long as the run.
+        main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             [*GPU_MON, "--config", str(self.config_path), "--sim", str(self.sim.path), "run", *self.args],
             stdout=self._log,
@@ -386,7 +407,7 @@ class Daemon:
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_dies_with_the_run, os.getpid()) if main else None,
         )
         return self
 

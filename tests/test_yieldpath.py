@@ -4,6 +4,7 @@ engine/yieldpath.py taking the open from the inotify event to the stop signal an
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -54,22 +55,44 @@ def _parts(cfg: config_mod.Config, sim: SimHost) -> Tuple[Round, YieldPath]:
     return r, YieldPath(r)
 
 
-@pytest.fixture
-def path_at_work(tmp_path: Path) -> Iterator[Tuple[Round, YieldPath, SimHost]]:
-    """A round that has started the workload on GPU 0; everything stopped after the test."""
+@contextlib.contextmanager
+def _at_work(tmp_path: Path, extra: str = "") -> Iterator[Tuple[Round, YieldPath, SimHost]]:
+    """A round that has started the workload on GPU 0; everything stopped after."""
     sim = SimHost(tmp_path, 2)
-    r, yp = _parts(_config(tmp_path), sim)
+    r, yp = _parts(_config(tmp_path, extra), sim)
     r.p.observer.read_gpus()
     r.p.opens.rewatch()
     r.run(time.monotonic(), scan="full")
     assert KEY in r.p.supervisor.workloads, r.said
-    yield r, yp, sim
-    sup = r.p.supervisor
-    sup.stop_all("test over", time.monotonic())
-    sup.kill_all_now(time.monotonic())
-    _pump(r, lambda: not sup.busy())
-    r.p.opens.stop(r.p.loop.remove_reader)
-    r.p.loop.close()
+    try:
+        yield r, yp, sim
+    finally:
+        sup = r.p.supervisor
+        sup.stop_all("test over", time.monotonic())
+        sup.kill_all_now(time.monotonic())
+        _pump(r, lambda: not sup.busy())
+        r.p.opens.stop(r.p.loop.remove_reader)
+        r.p.loop.close()
+
+
+@pytest.fixture
+def path_at_work(tmp_path: Path) -> Iterator[Tuple[Round, YieldPath, SimHost]]:
+    with _at_work(tmp_path) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def _opened(r: Round, yp: YieldPath, device: str) -> Iterator[subprocess.Popen]:
+    """Someone else opens `device` and keeps it; the yield path takes the open (one wake)."""
+    other = _holder(device)
+    try:
+        _event(r)
+        r.p.yields.woke(time.monotonic())
+        assert yp.on_wake(time.monotonic()) is True
+        yield other
+    finally:
+        other.kill()
+        other.wait()
 
 
 def _pump(r: Round, done, timeout: float = 10.0) -> None:
@@ -100,12 +123,7 @@ def _event(r: Round) -> None:
 def test_a_foreign_open_stops_the_workload_before_the_round_and_the_round_says_it(path_at_work):
     r, yp, sim = path_at_work
     w = r.p.supervisor.workloads[KEY]
-    other = _holder(sim.device(0))
-    try:
-        _event(r)
-        woke = time.monotonic()
-        r.p.yields.woke(woke)
-        assert yp.on_wake(woke) is True
+    with _opened(r, yp, sim.device(0)) as other:
         assert w.stopping and w.urgent  # the stop signal went out, with the urgent grace
         said = [s["text"] for s in r.said]
         assert any(f"[{other.pid}]" in t and f"stopping {w.label}[{w.pid}]" in t for t in said), said
@@ -118,25 +136,15 @@ def test_a_foreign_open_stops_the_workload_before_the_round_and_the_round_says_i
         (gone,) = r.report.preemptions  # recorded once its workload is gone
         assert gone.workload == w.label and gone.detected_by == "open" and gone.term_ms < gone.gone_ms
         assert KEY not in r.p.yields.yielding
-    finally:
-        other.kill()
-        other.wait()
 
 
 def test_an_open_of_the_other_gpu_stops_nothing(path_at_work):
     r, yp, sim = path_at_work
-    other = _holder(sim.device(1))
-    try:
-        _event(r)
-        r.p.yields.woke(time.monotonic())
-        yp.on_wake(time.monotonic())
+    with _opened(r, yp, sim.device(1)):
         assert not r.p.supervisor.workloads[KEY].stopping
         assert r.report is not None and r.report.decision.verdicts[sim.uuid(1)].busy
         assert yp.retry is None  # explained: the holder was found
         assert r.p.scans.deferred_full is not None  # confirmed by a full scan soon all the same
-    finally:
-        other.kill()
-        other.wait()
 
 
 def test_an_open_nobody_holds_any_more_is_looked_at_again(path_at_work):
@@ -160,23 +168,6 @@ def test_an_open_nobody_holds_any_more_is_looked_at_again(path_at_work):
 
 
 def test_an_ignored_user_opening_the_gpu_stops_nothing(tmp_path: Path):
-    sim = SimHost(tmp_path, 2)
-    r, yp = _parts(_config(tmp_path, "ignore_users = root\n"), sim)
-    r.p.observer.read_gpus()
-    r.p.opens.rewatch()
-    r.run(time.monotonic(), scan="full")
-    other = _holder(sim.device(0))
-    try:
-        _event(r)
-        r.p.yields.woke(time.monotonic())
-        yp.on_wake(time.monotonic())
+    with _at_work(tmp_path, "ignore_users = root\n") as (r, yp, sim), _opened(r, yp, sim.device(0)):
         assert not r.p.supervisor.workloads[KEY].stopping
         assert r.p.yields.yielding == {}
-    finally:
-        other.kill()
-        other.wait()
-        sup = r.p.supervisor
-        sup.stop_all("test over", time.monotonic())
-        sup.kill_all_now(time.monotonic())
-        _pump(r, lambda: not sup.busy())
-        r.p.loop.close()
