@@ -45,15 +45,12 @@ class CloseWatch:
             self.inotify = None
         self.watched = ()
 
-    def refresh(self) -> None:
-        """Watch exactly the observer's nodes, if they changed."""
-        if self.observer.device_paths() != self.watched:
-            self.rewatch()
-
-    def rewatch(self) -> None:
-        self.watched = self.observer.device_paths()
-        if self.inotify is not None:
-            self.inotify.watch(self.watched)  # (what cannot be watched is the open watch's to say)
+    def follow(self, paths: Tuple[str, ...]) -> None:
+        """Watch the nodes the open watch watches (engine/opens.py keeps them in step with the observer)."""
+        if paths != self.watched:
+            self.watched = paths
+            if self.inotify is not None:
+                self.inotify.watch(paths)  # (what cannot be watched is the open watch's to say)
 
     def read(self) -> bool:
         """Drain the closes; True when one was of a GPU that someone other than gpu-mon holds."""
@@ -61,7 +58,7 @@ class CloseWatch:
             return False
         closed, renew = self.inotify.read()
         if renew:
-            self.rewatch()
+            self.watched = ()  # (a node went away: watched afresh at the next follow)
         targets = self.observer.watch_targets()
         uuids = {targets.get(path) for path in closed} - {None}
         return any(not h.ours_on(u) for h in self.observer.holders for u in h.gpus & uuids)

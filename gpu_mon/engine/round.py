@@ -174,7 +174,6 @@ class Round:
         stops = tuple(a for a in decision.actions if isinstance(a, Stop))
         for stop in stops:
             self._stop(stop, m)
-        self._hurry(decision, m.now)
         rest = dataclasses.replace(decision, actions=tuple(a for a in decision.actions if a not in stops))
         for tier in self.p.tiers:
             rest = tier.place(rest, m)
