@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+IGNORE_ENV = "GPU_PROOF_IGNORE_PROGRAMS"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import newcomer  # noqa: E402
@@ -105,6 +106,13 @@ def parse_args() -> argparse.Namespace:
         metavar="PCT",
         help="the share of the GPU's total the foreign process allocates at once, no retry (default 50%%)",
     )
+    ap.add_argument(
+        "--ignore-programs",
+        default=os.environ.get(IGNORE_ENV, ""),
+        metavar="NAME,...",
+        help="more ignore_programs for the daemon: a host monitor that opens the GPU "
+        f"every few seconds (default ${IGNORE_ENV}, which bench/gpu_proof.py --ignore-programs sets)",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write every trial and the summary here as JSON")
     a = ap.parse_args()
     if a.trials < 1:
@@ -112,12 +120,13 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def daemon_config(work: Path, memory: str) -> str:
+def daemon_config(work: Path, memory: str, ignore: str = "") -> str:
     """The daemon's config: the stressor on GPU 0, restarted 2 s after a GPU is free again."""
     hold = "" if memory == "default" else f" --memory {memory}"
+    ignored = ",".join(["gpu-bench-nvml", *(n.strip() for n in ignore.split(",") if n.strip())])
     return (
         f"[defaults]\ninterval_seconds = 1\nstart_delay_seconds = 2\nstop_timeout_seconds = 5\n"
-        f"state_file = {work}/state.json\n[gpu-all]\ngpus = 0\nignore_programs = gpu-bench-nvml\n"
+        f"state_file = {work}/state.json\n[gpu-all]\ngpus = 0\nignore_programs = {ignored}\n"
         "[process-stress]\nuser = root\n"
         f"cmd = {sys.executable} -m gpu_mon stress{hold} --report-seconds 30\n"
         f"env = PYTHONPATH={ROOT}\n"
@@ -214,7 +223,9 @@ def main() -> int:
     total = first.gpus[0].memory_total_mib
     work = Path(tempfile.mkdtemp(prefix="gpu-mon-gpu-preempt-"))
     conf = work / "gpu_mon.conf"
-    conf.write_text(daemon_config(work, a.memory))
+    conf.write_text(daemon_config(work, a.memory, a.ignore_programs))
+    if a.ignore_programs:
+        print(f"the daemon ignores these openers (--ignore-programs): {a.ignore_programs}", flush=True)
     os.chmod(conf, 0o600)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     daemon_log = work / "daemon.log"

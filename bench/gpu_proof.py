@@ -52,6 +52,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="list the checks and their claims; needs no GPU")
     p.add_argument("--from-json", metavar="FILE", help="render a recorded proof.json instead of measuring")
     p.add_argument("--format", choices=sorted(render.FORMATS), default="text", help="for --from-json")
+    p.add_argument(
+        "--ignore-programs",
+        default="",
+        metavar="NAME,...",
+        help="the handoff checks' daemon ignores these openers too (a host's own monitor that opens the GPU "
+        "every few seconds); the table's header names them",
+    )
     return p.parse_args(argv)
 
 
@@ -150,7 +157,7 @@ def write(record: Dict[str, Any], out: Path) -> None:
     (out / "proof.txt").write_text(render.text(record))
 
 
-def prove(checks: List[Check], ctx: Context, nvml: Dict[str, Any]) -> int:
+def prove(checks: List[Check], ctx: Context, nvml: Dict[str, Any], ignore: str = "") -> int:
     """Every check in order, the GPU checked afterwards, the table written; the exit code."""
     started = time.monotonic()
     record: Dict[str, Any] = {
@@ -159,9 +166,12 @@ def prove(checks: List[Check], ctx: Context, nvml: Dict[str, Any]) -> int:
         "host": host.describe(nvml),
         "checks": [],
     }
+    if ignore:
+        record["ignored_openers"] = ignore
     print("\n".join(render.header_lines(record)), flush=True)
     before = host.gpu_processes(nvml)
     env = check_env(ctx.quick)
+    env["GPU_PROOF_IGNORE_PROGRAMS"] = ignore  # = bench/gpu_preempt.py's IGNORE_ENV
     interrupted = False
     try:
         for number, check in enumerate(checks, 1):
@@ -212,7 +222,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     run.become_subreaper()
     run.catch_signals()
     try:
-        return prove(checks, ctx, nvml)
+        return prove(checks, ctx, nvml, args.ignore_programs)
     except run.Interrupted as sig:  # outside a check: while describing the host or at the last NVML look
         run.sweep()
         print(f"gpu_proof.py: interrupted ({sig}); what was measured is in {ctx.out}", file=sys.stderr)

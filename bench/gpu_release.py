@@ -43,6 +43,7 @@ RELEASES = {
     "free-then-exit": "on SIGTERM free every block and the allocator's cache, then exit",
     "exit": "on SIGTERM exit at once; the driver frees the memory with the process",
 }
+DEFAULT = ("one", "free-then-exit")  # gpu-mon stress's own --hold and --release (a test keeps them equal)
 START_TIMEOUT_S = 180.0
 FREED_TIMEOUT_S = 15.0
 NVML_POLL_S = 0.002
@@ -63,7 +64,7 @@ def plan(opts: argparse.Namespace) -> int:
     )
     print(f"\nstrategies (gpu-mon stress --memory {opts.memory} --hold H --release R):")
     for number, (hold, release) in enumerate(itertools.product(opts.holds, opts.releases), 1):
-        default = " (today's default)" if (hold, release) == ("chunks", "free-then-exit") else ""
+        default = " (the default)" if (hold, release) == DEFAULT else ""
         print(f" {number}. --hold {hold} --release {release}{default}: {HOLDS[hold]}; {RELEASES[release]}")
     print(f"\nnewcomers (each takes {opts.alloc:.0%} of the GPU's total at once, no retry):")
     print("  torch: torch.cuda.init, mem_get_info, one torch.empty")

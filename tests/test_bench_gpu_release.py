@@ -37,7 +37,8 @@ def test_plan_lists_every_strategy_and_cell_without_a_gpu(tmp_path):
     for hold in ("chunks", "blocks", "one"):
         for release in ("free-then-exit", "exit"):
             assert f"--hold {hold} --release {release}" in out
-    assert "--hold chunks --release free-then-exit (today's default)" in out
+    assert "--hold one --release free-then-exit (the default)" in out
+    assert out.count("(the default)") == 1
     cells = [
         line for line in out.splitlines() if line.lstrip().split(".")[0].isdigit() and "newcomer" in line
     ]
@@ -167,3 +168,17 @@ def test_one_cell_runs_on_a_gpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     row = next(line for line in r.stdout.splitlines() if line.startswith("libcuda"))
     assert row.split()[3] == "1"  # one trial
+
+
+def test_the_default_it_marks_is_the_stressors_own():
+    """--plan's "(the default)" is what `gpu-mon stress` does without --hold and --release."""
+    import argparse
+
+    from gpu_mon.commands import stress
+
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    args = parser.parse_args([])
+    r = subprocess.run([sys.executable, str(BENCH), "--plan"], capture_output=True, text=True, check=True)
+    marked = next(line for line in r.stdout.splitlines() if "(the default)" in line)
+    assert f"--hold {args.hold} --release {args.release} (the default)" in marked

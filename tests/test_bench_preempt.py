@@ -111,6 +111,20 @@ def test_gpu_preempt_greedy_newcomer_and_the_stressors_own_hold(tmp_path):
         assert "readline" not in script and "loaded" not in script  # its clock starts once it has loaded
 
 
+def test_gpu_preempt_ignores_a_hosts_monitor_only_when_told(tmp_path, monkeypatch):
+    """--ignore-programs (or gpu_proof.py's, through the environment) adds to the bench's own reader."""
+    gp = gpu_preempt_module()
+    assert "ignore_programs = gpu-bench-nvml\n" in gp.daemon_config(tmp_path, "88%")
+    told = gp.daemon_config(tmp_path, "88%", " ld-linux-x86-64.so.2, nvtop")
+    assert "ignore_programs = gpu-bench-nvml,ld-linux-x86-64.so.2,nvtop\n" in told
+    monkeypatch.setattr(sys, "argv", ["gpu_preempt.py"])
+    assert gp.parse_args().ignore_programs == ""
+    monkeypatch.setenv(gp.IGNORE_ENV, "nvtop")
+    assert gp.parse_args().ignore_programs == "nvtop"
+    monkeypatch.setattr(sys, "argv", ["gpu_preempt.py", "--ignore-programs", "x"])
+    assert gp.parse_args().ignore_programs == "x"
+
+
 def test_gpu_preempt_summary_leaves_disturbed_trials_out():
     gp = gpu_preempt_module()
     trial = {"ok": True, "freed_ms": 200.0, "off_list_ms": 300.0, "ready_ms": 250.0}

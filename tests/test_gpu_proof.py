@@ -368,3 +368,13 @@ def test_a_run_whose_tests_cannot_run_records_them_as_failed(tmp_path):
     assert record["left_on_gpu"] == []
     assert (out / "proof.md").read_text().count("| failed |") == 2
     assert (out / "proof.txt").read_text() in r.stdout
+
+
+def test_a_run_with_ignored_openers_says_so_in_its_header(tmp_path):
+    record = json.loads(SYNTHETIC.read_text())
+    assert "ignored these openers" not in proof("--from-json", str(SYNTHETIC)).stdout
+    record["ignored_openers"] = "ld-linux-x86-64.so.2"
+    told = tmp_path / "proof.json"
+    told.write_text(json.dumps(record))
+    text = proof("--from-json", str(told)).stdout
+    assert "the handoff checks' daemon ignored these openers: ld-linux-x86-64.so.2" in text.splitlines()[:5]

@@ -261,7 +261,18 @@ def test_buffers_larger_than_the_target_exit_2(spawn):
 
 
 def test_absolute_target_is_held_in_chunks(spawn):
-    child = spawn("--device", "cpu", "--memory", "40MiB", "--chunk-mib", "16", "--matmul-size", "256")
+    child = spawn(
+        "--device",
+        "cpu",
+        "--memory",
+        "40MiB",
+        "--hold",
+        "chunks",
+        "--chunk-mib",
+        "16",
+        "--matmul-size",
+        "256",
+    )
     start = fields(child.wait_line(r"^stress: start "))
     assert start["target_mib"] == "40.0" and start["memory_mib"] == "40.0"
     assert start["workspace_mib"] == "0.8"  # a, b, out: 3 * 256 * 256 * 4 bytes
@@ -281,15 +292,14 @@ def test_percent_target_uses_free_memory(spawn):
         "25%",
         "--assume-free-mib",
         "256",
-        "--chunk-mib",
-        "32",
     )
     start = fields(child.wait_line(r"^stress: start "))
-    assert (start["free_mib"], start["target_mib"], start["memory_mib"], start["chunks"]) == (
+    assert (start["free_mib"], start["target_mib"], start["memory_mib"], start["chunks"], start["hold"]) == (
         "256.0",
         "64.0",
         "64.0",
-        "2",
+        "1",
+        "one",
     )
     child.proc.send_signal(signal.SIGTERM)
     assert child.wait_exit() == STOPPED

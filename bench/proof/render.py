@@ -51,6 +51,8 @@ def header_lines(record: Dict[str, Any]) -> List[str]:
     mode = "--quick" if record.get("quick") else "full"
     took = f", {record['seconds']:.0f} s" if "seconds" in record else ""
     lines.append(f"{mode} run started {record.get('started')}{took}")
+    if record.get("ignored_openers"):
+        lines.append(f"the handoff checks' daemon ignored these openers: {record['ignored_openers']}")
     if record.get("synthetic"):
         lines.insert(0, f"SYNTHETIC DATA, NOT A MEASUREMENT: {record['synthetic']}")
     return lines

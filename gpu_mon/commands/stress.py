@@ -36,14 +36,15 @@ _OPTIONS = (
         "--chunk-mib",
         default="512",
         metavar="MIB",
-        help="allocate memory in chunks of this size (default: 512; at least 10 on CUDA)",
+        help="with --hold chunks, allocate memory in chunks of this size; with blocks, no block smaller "
+        "(default: 512; at least 10 on CUDA)",
     ),
     _opt(
         "--hold",
-        default="chunks",
+        default="one",
         metavar="{chunks,blocks,one}",
-        help=f"how memory is held: chunks of --chunk-mib, {HOLD_BLOCKS} equal blocks, or one block; fewer "
-        "allocations are fewer frees on a stop (default: chunks)",
+        help=f"how memory is held: one block, {HOLD_BLOCKS} equal blocks, or chunks of --chunk-mib; fewer "
+        "allocations are fewer frees on a stop (default: one)",
     ),
     _opt(
         "--release",
