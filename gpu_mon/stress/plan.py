@@ -16,7 +16,7 @@ WORKLOADS = ("matmul", "elementwise", "none")
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
 CPU_DTYPES = ("bf16", "fp32")  # CPU half-precision matmul runs at ~1 GFLOP/s: one step would outlast a stop
 # How the memory is held: --chunk-mib chunks (hundreds of frees on a stop), a few blocks, or one block (the
-# default: on an H100 one block frees 88% of the GPU 58 ms after a newcomer.s cuInit, chunks 204 ms).
+# default: on an H100 one block frees 88% of the GPU 58 ms after a newcomer's cuInit, chunks 204 ms).
 HOLDS = ("chunks", "blocks", "one")
 HOLD_BLOCKS = 8  # --hold blocks: the memory to fill in this many equal blocks (15 GiB each at 88% of 141 GB)
 # On a stop: free every buffer and the allocator's cache, then exit (the memory is back before the exit line);
