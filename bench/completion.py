@@ -83,7 +83,7 @@ def main() -> int:
         script = work / "gpu-mon"
         script.write_text(
             f"#!/usr/bin/python3\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-            "from gpu_mon.jobids import console_main\nconsole_main()\n"
+            "from gpu_mon.entry import console_main\nconsole_main()\n"
         )
         os.chmod(script, 0o755)
         venv = work / "venv-bin"

@@ -2,6 +2,7 @@
 """Benchmark: the queue with 10 000 jobs queued, measured side by side with an older version.
 
     sudo python bench/queue.py [--jobs 10000] [--baseline REF] [--trials 5] [--hostile 1000]
+                               [--arrays 10000] [--array-count 5] [--idle-seconds 30]
 
 For this checkout and for --baseline (a git ref of this checkout, extracted and run the same way; '' for
 none), a real `gpu-mon run` (root) with a [queue] on two simulated GPUs that someone else holds; both
@@ -16,10 +17,14 @@ and the placement goes over every one of them each time. Measured:
   request, the printing), median of 5 after one warm-up run;
 - a job's start after its GPU frees: from the foreign holder's close() of GPU 0's node to the job's first
   action (it opens a FIFO we wait on), less the start delay; also in rounds (interval_seconds);
-- arrays (--arrays N, this checkout): one `submit --array 0-(N-1)` (p50 and max over --trials arrays, each
-  queued behind a held job), beside the N single submits a user's shell loop makes today (the sum of the
-  submits above, in each version); `gpu-mon jobs` with only an N-element array queued beside `gpu-mon jobs`
-  with 100 single jobs queued (each version), on fresh daemons;
+- `gpu-mon submit --hold -- true`, the whole command as a user types it (Python's start, the imports, the
+  check as the user, the request), p50 and p99 of 21;
+- the daemon's CPU seconds (user and system, /proc/PID/stat) to take the --jobs submits, and its idle CPU
+  over --idle-seconds afterwards with them queued (nothing asked of it), in % of one core;
+- arrays (--arrays N), each version on a fresh daemon: --array-count held `submit --hold --array
+  0-(N-1)` one after the other (submit -> id, p50 and max), the daemon's VmRSS before and after them,
+  `gpu-mon jobs` with them queued; beside the N single submits a user's shell loop makes (the sum of the
+  submits above, in each version);
 - submit p99 (500 submits) with --hostile connections of another user (nobody) held open at once (each
   reopened when the daemon closes it: silent clients), and oversized frames, against the p99 just before
   without them.
@@ -70,7 +75,7 @@ from typing import Dict, List, Union
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PROG = "bench/queue.py"
-DEFAULT_BASELINE = "b8a2af9"  # the queue before the work on `jobs` with 10 000 jobs queued
+DEFAULT_BASELINE = "7c4bf7b"  # the queue as issue 38 measured it beside Slurm
 INTERVAL = 2.0  # [defaults] interval_seconds, as shipped
 
 HOLDER = r"""
@@ -251,18 +256,48 @@ class Run:
             h.wait()
 
 
-def measure(runs: List[Run], jobs: int, trials: int, hostile: int) -> List[Dict[str, object]]:
+def daemon_cpu(pid: int) -> float:
+    """CPU seconds (user and system, every thread) a process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_rss_mb(pid: int) -> float:
+    """VmRSS of a process, in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def idle_cpu(runs: List[Run], seconds: float) -> List[float]:
+    """Each daemon's CPU over the same `seconds` with nothing asked of it, in % of one core."""
+    before = [daemon_cpu(run.daemon.pid) for run in runs]
+    time.sleep(seconds)
+    return [100 * (daemon_cpu(run.daemon.pid) - b) / seconds for run, b in zip(runs, before)]
+
+
+def measure(
+    runs: List[Run], jobs: int, trials: int, hostile: int, idle_seconds: float = 30.0
+) -> List[Dict[str, object]]:
     """Every figure for each version, taken in turns (one submit, one command, one trial of each version
     after the other): a load that comes and goes on the machine falls on all of them alike."""
     for run in runs:
         run.submit(["true", "blocker"], hold=True)  # job 1: every other job waits --after it
     times: List[List[float]] = [[] for _ in runs]
+    cpu0 = [daemon_cpu(run.daemon.pid) for run in runs]
     for i in range(jobs):
         for run, out in zip(runs, times):
             out.append(run.submit(["true", str(i)], after=[1]))
     for run in runs:
         _wait(lambda r=run: "just submitted" not in (r.job(jobs + 1)["reason"] or ""), 30, "the placement")
+    cpu_submits = [daemon_cpu(run.daemon.pid) - c for run, c in zip(runs, cpu0)]
+    idle = idle_cpu(runs, idle_seconds)
+    for run in runs:
         run.command("jobs")  # (warm-up: compiles the version's modules)
+    typed = _turns(runs, 21, lambda r: r.command("submit", "--hold", "--", "true"))
     table = _turns(runs, 5, lambda r: r.command("jobs"))
     as_json = _turns(runs, 5, lambda r: r.command("jobs", "--json"))
     starts = _turns(runs, trials, lambda r: r.start_after_free() - r.delay)
@@ -271,10 +306,14 @@ def measure(runs: List[Run], jobs: int, trials: int, hostile: int) -> List[Dict[
         runs, hostile, lambda: _turns(runs, 500, lambda r: r.submit(["true", "loud"], after=[1]))
     )
     out = []
-    for every, tab, js, st, qu, lo in zip(times, table, as_json, starts, quiet, loud):
+    per = zip(times, table, as_json, starts, quiet, loud, cpu_submits, idle, typed)
+    for every, tab, js, st, qu, lo, cpu, idl, ty in per:
         first, last = every[: min(200, jobs)], every[-min(1000, jobs) :]
         out.append(
             {
+                "typed": (statistics.median(ty), pct(ty, 99)),
+                "cpu_submits": cpu,
+                "idle_cpu": idl,
                 "submit_0": (statistics.median(first), pct(first, 99)),
                 "submit_n": (statistics.median(last), pct(last, 99)),
                 "jobs_table": (statistics.median(tab), max(tab)),
@@ -287,53 +326,55 @@ def measure(runs: List[Run], jobs: int, trials: int, hostile: int) -> List[Dict[
     return out
 
 
-def measure_arrays(work: Path, versions, size: int, trials: int, delay: float) -> Dict[str, object]:
-    """The array rows: one submit of a `size`-element array (this checkout: the first version), and
-    `gpu-mon jobs` over it beside `gpu-mon jobs` with 100 single jobs queued (every version)."""
-    label, code = versions[0]
-    arr = Run(work, "arrays", code, delay)
-    hundreds = [Run(work, f"hundred{i}", c, delay) for i, (_l, c) in enumerate(versions)]
+def measure_arrays(work: Path, versions, size: int, count: int, delay: float) -> List[Dict[str, object]]:
+    """The array rows, each version on a fresh daemon: `count` held `size`-element arrays submitted one
+    after the other (submit -> id each), the daemon's memory before and after them, and `gpu-mon jobs`
+    with them queued."""
+    runs = [Run(work, f"arrays{i}", code, delay) for i, (_label, code) in enumerate(versions)]
     try:
-        for run in (arr, *hundreds):
+        for run in runs:
             run.submit(["true", "blocker"], hold=True)
-        for run in hundreds:
-            for i in range(100):
-                run.submit(["true", str(i)], after=[1])
+        rss0 = [daemon_rss_mb(run.daemon.pid) for run in runs]
         spec = f"0-{size - 1}"
-        submits = [arr.submit(["true", "element"], after=[1], array=spec)]  # the listing's array
-        _wait(lambda: "just submitted" not in (arr.job(f"2_{size - 1}")["reason"] or ""), 60, "the placement")
-        for run in (arr, *hundreds):
+        submits = _turns(runs, count, lambda r: r.submit(["true", "element"], hold=True, array=spec))
+        time.sleep(2 * INTERVAL)  # (a round or two over them: each submit's answer came once it was stored)
+        rss = [daemon_rss_mb(run.daemon.pid) for run in runs]
+        for run in runs:
             run.command("jobs")  # (warm-up)
-        listing = _turns([arr, *hundreds], 5, lambda r: r.command("jobs"))
-        for _ in range(trials):
-            submits.append(arr.submit(["true", "element"], after=[1], array=spec))
+        listing = _turns(runs, 5, lambda r: r.command("jobs"))
     finally:
-        for run in (arr, *hundreds):
+        for run in runs:
             run.close()
-    return {
-        "label": label,
-        "submit": (statistics.median(submits), max(submits)),
-        "jobs_array": (statistics.median(listing[0]), max(listing[0])),
-        "jobs_100": [(statistics.median(v), max(v)) for v in listing[1:]],
-    }
+    return [
+        {
+            "submit": (statistics.median(sub), max(sub)),
+            "rss": (before, after),
+            "jobs_arrays": (statistics.median(lst), max(lst)),
+        }
+        for sub, before, after, lst in zip(submits, rss0, rss, listing)
+    ]
 
 
 def array_rows(
-    arrays: Dict[str, object], results: Dict[str, Dict[str, object]], size: int, jobs: int
+    arrays: List[Dict[str, object]], results: Dict[str, Dict[str, object]], size: int, count: int, jobs: int
 ) -> List[List[str]]:
-    """The array rows: this checkout's figures, with each version's 100-job listing beside them."""
+    """The array rows, each version's."""
     names = list(results)
     loops = [sum(results[n]["times"]) for n in names]  # type: ignore[arg-type]
-    first = [_ms(arrays["submit"])] + ["-"] * (len(names) - 1)  # type: ignore[arg-type]
-    listing = [_ms(arrays["jobs_array"], "{:.0f} / {:.0f} ms")] + ["-"] * (len(names) - 1)  # type: ignore
     return [
-        [f"submit --array 0-{size - 1} (one submit): p50 / max", *first],
-        [f"{jobs} single submits (a shell loop), in all", *(f"{t:.2f} s" for t in loops)],
-        [f"gpu-mon jobs, one {size}-element array queued: median / max", *listing],
         [
-            "gpu-mon jobs, 100 single jobs queued: median / max",
-            *(_ms(v, "{:.0f} / {:.0f} ms") for v in arrays["jobs_100"]),  # type: ignore[union-attr]
+            f"submit --hold --array 0-{size - 1} -> id: p50 / max of {count}",
+            *(_ms(a["submit"]) for a in arrays),
         ],
+        [
+            f"daemon memory (VmRSS): empty -> {count} such arrays held",
+            *("{:.0f} -> {:.0f} MB".format(*a["rss"]) for a in arrays),  # type: ignore[str-format]
+        ],
+        [
+            f"gpu-mon jobs, {count} such arrays held: median / max",
+            *(_ms(a["jobs_arrays"], "{:.0f} / {:.0f} ms") for a in arrays),
+        ],
+        [f"{jobs} single submits (a shell loop), in all", *(f"{t:.2f} s" for t in loops)],
     ]
 
 
@@ -383,6 +424,10 @@ def _ms(pair, fmt: str = "{:.1f} / {:.1f} ms") -> str:
 def rows(results: Dict[str, Dict[str, object]], jobs: int, hostile: int) -> List[List[str]]:
     names = list(results)
     out = [
+        [
+            "gpu-mon submit --hold -- true, the whole command: p50 / p99",
+            *(_ms(results[n]["typed"]) for n in names),
+        ],
         ["submit -> id p50 / p99, 0-200 queued", *(_ms(results[n]["submit_0"]) for n in names)],
         [f"submit -> id p50 / p99, {jobs} queued", *(_ms(results[n]["submit_n"]) for n in names)],
         [
@@ -401,6 +446,10 @@ def rows(results: Dict[str, Dict[str, object]], jobs: int, hostile: int) -> List
             f"{med * 1000:.0f} / {worst * 1000:.0f} ms ({med / INTERVAL:.2f} / {worst / INTERVAL:.2f} rounds)"
         )
     out.append(["job start after its GPU frees, less the start delay: median / max", *start])
+    out.append([f"daemon CPU to take {jobs} submits", *(f"{results[n]['cpu_submits']:.1f} s" for n in names)])
+    out.append(
+        [f"daemon idle CPU, {jobs} queued", *(f"{results[n]['idle_cpu']:.2f} % of a core" for n in names)]
+    )
     out.append(
         [
             f"submit p99 without / with {hostile} hostile connections",
@@ -422,6 +471,8 @@ def main() -> int:
     ap.add_argument(
         "--arrays", type=int, default=10000, help="elements of the arrays measured (default 10000; 0: none)"
     )
+    ap.add_argument("--array-count", type=int, default=5, help="held arrays submitted (default 5)")
+    ap.add_argument("--idle-seconds", type=float, default=30, help="idle CPU window (default 30 s)")
     ap.add_argument("--json", action="store_true", help="the numbers as JSON")
     a = ap.parse_args()
     if a.jobs < 1 or a.trials < 1 or a.hostile < 0 or a.start_delay < 0:
@@ -448,13 +499,15 @@ def main() -> int:
         print(
             f"submitting {a.jobs} jobs to each of {len(runs)} daemons in turn...", file=sys.stderr, flush=True
         )
-        results = dict(zip((label for label, _ in versions), measure(runs, a.jobs, a.trials, a.hostile)))
+        results = dict(
+            zip((label for label, _ in versions), measure(runs, a.jobs, a.trials, a.hostile, a.idle_seconds))
+        )
         for run in runs:
             run.close()
         runs = []
         if a.arrays:
             print(f"arrays of {a.arrays} elements...", file=sys.stderr, flush=True)
-            arrays = measure_arrays(work, versions, a.arrays, a.trials, a.start_delay)
+            arrays = measure_arrays(work, versions, a.arrays, a.array_count, a.start_delay)
     finally:
         for run in runs:
             run.close()
@@ -468,7 +521,7 @@ def main() -> int:
     )
     table = rows(results, a.jobs, a.hostile)
     if a.arrays:
-        table += array_rows(arrays, results, a.arrays, a.jobs)
+        table += array_rows(arrays, results, a.arrays, a.array_count, a.jobs)
     print(bg.table(["", *results], table))
     return 0
 

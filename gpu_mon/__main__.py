@@ -1,5 +1,5 @@
 """`python -m gpu_mon` is `gpu-mon`."""
 
-from gpu_mon.jobids import console_main
+from gpu_mon.entry import console_main
 
 console_main()

@@ -1,14 +1,15 @@
 """`gpu-mon _job-ids COMMAND [--config PATH] [--prefix P]`: the calling user's job ids (starting with P),
 one a line, as users name them (`17`; an array `22` and its elements `22_0`, `22_1`, ...), for shell
-completion of `cancel`, `hold`, `release` and `logs`, and the `gpu-mon` executable's entry point that
-answers it.
+completion of `cancel`, `hold`, `release` and `logs`.
 
 A TAB has to be answered at once (under 50 ms with 10 000 jobs queued: bench/completion.py), and the
-whole CLI takes 150-250 ms to import, so `console_main` answers `_job-ids` before importing it, with the
-standard library's socket and json alone (not even typing). The daemon knows the user from the socket's
-peer credentials and sends that user's jobs in the states the command acts on only (the queue's `ids`
-request); the prefix is applied here, so that the shell gets only what matches (bash's compgen takes 30
-ms over 10 000 words).
+whole CLI takes 150-250 ms to import, so the `gpu-mon` executable (gpu_mon/entry.py) answers `_job-ids`
+before importing it, with the standard library's socket and json alone (not even typing). This module
+imports neither gpu_mon.cli nor gpu_mon.entry (gpu_mon.cli imports it).
+
+The daemon knows the user from the socket's peer credentials and sends that user's jobs in the states
+the command acts on only (the queue's `ids` request); the prefix is applied here, so that the shell gets
+only what matches (bash's compgen takes 30 ms over 10 000 words).
 
 Which socket: with no config named (--config on the line being completed, or GPU_MON_CONFIG), the default
 one is asked first; only when nothing answers there is the config read for its [queue] socket, through
@@ -22,7 +23,6 @@ import json
 import os
 import socket
 import struct
-import sys
 
 TYPE_CHECKING = False  # (typing alone takes 5-10 ms to import)
 if TYPE_CHECKING:
@@ -40,17 +40,6 @@ WANTED = {
 _TIMEOUT = 2.0
 _HEADER = struct.Struct(">I")
 _MAX_ANSWER = 1 << 24
-
-
-def console_main() -> None:
-    """The `gpu-mon` executable: `_job-ids` here, everything else in gpu_mon.cli."""
-    if sys.argv[1:2] == [COMMAND]:
-        sys.stdout.write("".join(f"{i}\n" for i in job_ids(sys.argv[2:])))
-        sys.stdout.flush()
-        os._exit(0)
-    from gpu_mon.cli import console_main as cli_main
-
-    cli_main()
 
 
 def job_ids(argv: Sequence[str]) -> List[str]:

@@ -22,7 +22,7 @@ BENCH = ROOT / "bench" / "queue.py"
 @pytest.mark.skipif(os.geteuid() != 0, reason="the benchmark's daemon runs jobs: needs root")
 def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
     quick = ["--jobs", "20", "--baseline", "", "--trials", "1", "--hostile", "20", "--start-delay", "0.1"]
-    quick += ["--arrays", "50"]
+    quick += ["--arrays", "50", "--idle-seconds", "1"]
     # Its jobs run as root: their daemon makes root's default output directory (a fresh machine has none);
     # what it made that was not there before is removed afterwards.
     made = _first_missing(Path(pwd.getpwuid(os.geteuid()).pw_dir), ".local/state/gpu-mon/jobs")
@@ -35,19 +35,23 @@ def test_bench_queue_runs_as_a_script_and_prints_every_row(tmp_path):
     lines = r.stdout.splitlines()
     assert "CPUs; kernel" in lines[0] and lines[1].split() == ["this", "checkout"]
     labels = [
+        "gpu-mon submit --hold -- true, the whole command: p50 / p99",
         "submit -> id p50 / p99, 0-200 queued",
         "submit -> id p50 / p99, 20 queued",
         "gpu-mon jobs (table), 20 queued: median / max",
         "gpu-mon jobs --json, 20 queued: median / max",
         "job start after its GPU frees, less the start delay: median / max",
+        "daemon CPU to take 20 submits",
+        "daemon idle CPU, 20 queued",
         "submit p99 without / with 20 hostile connections",
-        "submit --array 0-49 (one submit): p50 / max",
+        "submit --hold --array 0-49 -> id: p50 / max of 5",
+        "daemon memory (VmRSS): empty -> 5 such arrays held",
+        "gpu-mon jobs, 5 such arrays held: median / max",
         "20 single submits (a shell loop), in all",
-        "gpu-mon jobs, one 50-element array queued: median / max",
-        "gpu-mon jobs, 100 single jobs queued: median / max",
     ]
     assert [line[: len(label)] for line, label in zip(lines[3:], labels)] == labels
-    assert all(line.rstrip().endswith(("ms", "rounds)", " s")) for line in lines[3:]) and len(lines) == 13
+    ends = ("ms", "rounds)", " s", "MB", "of a core")
+    assert all(line.rstrip().endswith(ends) for line in lines[3:]) and len(lines) == 16
 
 
 def _first_missing(home: Path, below: str):
