@@ -188,6 +188,7 @@ LAYERS = (
     ("gpu_mon.commands",),
     ("gpu_mon.cli",),
     ("gpu_mon.jobids",),
+    ("gpu_mon.entry",),  # the executable: _job-ids and a quick submit before the CLI
     ("gpu_mon.__main__", "gpu_mon.docs_gen"),
 )
 

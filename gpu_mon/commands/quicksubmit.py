@@ -82,11 +82,17 @@ def submit(argv: Sequence[str]) -> Optional[int]:
             raise _Failed(sanitize(str(answer.get("error", "refused"))), int(answer.get("code", 1)))
         _print(answer, "--json" in opts)
     except _Failed as err:
-        from gpu_mon.cli import _stderr
-
         _stderr(f"gpu-mon: {err}")
         return err.code
     return 0
+
+
+def _stderr(line: str) -> None:
+    """One line on stderr as gpu_mon/cli.py writes it (with a priority prefix for the journal)."""
+    from gpu_mon.api.text import sanitize
+    from gpu_mon.outputs import logs
+
+    sys.stderr.write(f"{'<3>' if logs.stderr_is_journal() else ''}{sanitize(line, 4096)}\n")
 
 
 def _parse(argv: Sequence[str]) -> Optional[Tuple[Dict[str, object], List[str]]]:
@@ -159,6 +165,8 @@ def _request(opts: Dict[str, object], command: List[str]) -> Optional[dict]:
         "output": os.path.abspath(output) if output else "",
         "requeue": "--no-requeue" not in opts,
         "hold": "--hold" in opts,
+        # sent only once _checked_as_me has passed (as `gpu-mon submit` does): the daemon need not check again
+        "checked_as_user": True,
     }
     if "--grace" in opts:
         req["grace"] = opts["--grace"]
