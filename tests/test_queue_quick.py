@@ -113,12 +113,17 @@ MISTAKES = [
 ]
 
 
-def test_a_common_submit_skips_the_cli_and_queues_and_prints_what_the_cli_does(lab, daemon_factory):
+@pytest.fixture
+def both_ways(lab, daemon_factory):
+    """A daemon for the lab; then each line typed, first as the quick path, then by the full CLI."""
     daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
     wait_for(lab.socket.exists, 20, "the queue's socket")
+    return lambda args: (_run(lab, lab.alice, args, full=False), _run(lab, lab.alice, args, full=True))
+
+
+def test_a_common_submit_skips_the_cli_and_queues_and_prints_what_the_cli_does(lab, both_ways):
     for args in SUBMITS:
-        quick = _run(lab, lab.alice, args, full=False)
-        full = _run(lab, lab.alice, args, full=True)
+        quick, full = both_ways(args)
         assert (quick.returncode, _said(quick.stderr)) == (full.returncode, full.stderr) == (0, ""), args
         assert "gpu_mon.cli" not in _imports(quick.stderr), args
         assert "argparse" not in _imports(quick.stderr), args
@@ -131,12 +136,9 @@ def test_a_common_submit_skips_the_cli_and_queues_and_prints_what_the_cli_does(l
             assert _stored(lab, lab.alice, a_id) == _stored(lab, lab.alice, b_id), args
 
 
-def test_every_mistake_gets_the_clis_own_answer_byte_for_byte(lab, daemon_factory):
-    daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
-    wait_for(lab.socket.exists, 20, "the queue's socket")
+def test_every_mistake_gets_the_clis_own_answer_byte_for_byte(lab, both_ways):
     for args in MISTAKES:
-        quick = _run(lab, lab.alice, args, full=False)
-        full = _run(lab, lab.alice, args, full=True)
+        quick, full = both_ways(args)
         assert quick.returncode == full.returncode == (0 if args[-1] == "--help" else full.returncode), args
         assert full.returncode != 0 or args[-1] == "--help", (args, full.stderr)
         assert (quick.stdout, _said(quick.stderr)) == (full.stdout, full.stderr), args
