@@ -75,6 +75,14 @@ def _dies_with_the_run(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def dies_with_the_run() -> Optional[Callable[[], None]]:
+    """preexec_fn for a `gpu-mon run` a test starts itself: SIGTERM when the run is SIGKILLed (see
+    _dies_with_the_run). None off pytest's main thread: a thread that ends sooner would be its parent."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return functools.partial(_dies_with_the_run, os.getpid())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     """Tests marked `gpu` need a real NVIDIA GPU: skipped (only they) where NVML finds none."""
     if not any(item.get_closest_marker("gpu") for item in items):
@@ -399,7 +407,6 @@ class Daemon:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the daemon writes it until cleanup()
         # The thread that starts it is its parent for PR_SET_PDEATHSIG: only pytest's main thread lives as
         # long as the run.
-        main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             [*GPU_MON, "--config", str(self.config_path), "--sim", str(self.sim.path), "run", *self.args],
             stdout=self._log,
@@ -407,7 +414,7 @@ class Daemon:
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=functools.partial(_dies_with_the_run, os.getpid()) if main else None,
+            preexec_fn=dies_with_the_run(),
         )
         return self
 

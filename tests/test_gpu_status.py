@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import gpujobs
 import pytest
-from conftest import GPU_MON
+from conftest import GPU_MON, dies_with_the_run
 
 from gpu_mon.api.nvml import NvmlBackend
 
@@ -116,6 +116,7 @@ def test_metrics_endpoint_shows_the_gpu(tmp_path, record_property):
             stderr=subprocess.STDOUT,
             env=gpujobs.real_env(),
             start_new_session=True,
+            preexec_fn=dies_with_the_run(),
         )
         try:
             memory = utilization = None

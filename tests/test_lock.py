@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import GPU_MON, has_open, sleeping, wait_for, write_config
+from conftest import GPU_MON, dies_with_the_run, has_open, sleeping, wait_for, write_config
 
 from gpu_mon.engine import lock
 
@@ -49,6 +49,7 @@ def run(conf_path: Path, sim_path: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=dies_with_the_run(),
     )
     _SPAWNED.append(p)
     return p

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import GPU_MON, read_reports, wait_for, workload_cmd, write_config
+from conftest import GPU_MON, dies_with_the_run, read_reports, wait_for, workload_cmd, write_config
 
 from gpu_mon.outputs import logs, notify
 
@@ -180,6 +180,7 @@ def test_journal_priorities(tmp_path, sim):
             stdout=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            preexec_fn=dies_with_the_run(),
         )
         try:
             wait_for(lambda: "]: <0>not-an-emergency" in log.read_text(), what="workload output")
@@ -242,6 +243,7 @@ def test_terminal_format_has_timestamps(tmp_path, sim):
         text=True,
         env={**os.environ, "GPU_MON_SIM": ""},
         start_new_session=True,
+        preexec_fn=dies_with_the_run(),
     )
     try:
         first = p.stderr.readline()

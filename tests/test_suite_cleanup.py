@@ -197,3 +197,20 @@ def test_a_stopped_test_run_leaves_no_daemon_leader_or_workload_running(tmp_path
 @pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 def test_a_run_stopped_by_sigterm_leaves_no_queue_job_test_user_or_directory(tmp_path):
     _stop_and_check(tmp_path, "test_a_queue_job", signal.SIGTERM)
+
+
+def test_every_daemon_a_test_starts_itself_dies_with_the_run():
+    """A `gpu-mon run` started by a test's own Popen (not daemon_factory) asks for the death signal too:
+    else a SIGKILLed run leaves it, and its workloads, running."""
+    import ast
+
+    missing = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("subprocess.Popen")):
+                continue
+            argv = ast.unparse(node.args[0]) if node.args else ""
+            told = "preexec_fn" in {k.arg for k in node.keywords}
+            if "GPU_MON" in argv and argv.endswith("'run']") and not told:
+                missing.append(f"{path.name}:{node.lineno}")
+    assert missing == []
