@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Mapping, Optional, Tuple, Type
+from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Type
 
 QUEUED, HELD, RUNNING, STOPPING = "queued", "held", "running", "stopping"
 DONE, FAILED, CANCELLED, PREEMPTED, TIMEOUT = "done", "failed", "cancelled", "preempted", "timeout"
@@ -82,7 +82,8 @@ FIELDS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Job))
 _FIELD_SET = frozenset(FIELDS)
 _REQUIRED = frozenset(f.name for f in dataclasses.fields(Job) if f.default is dataclasses.MISSING)
 _values = operator.attrgetter(*FIELDS)
-# What an array's element holds itself; the rest is its array's class's until it changes (array_class)
+# What an array's element holds itself (its index: from its id); the rest is its array's class's until it
+# changes (array_class)
 _OWN = ("id", "array_index")
 
 
@@ -98,14 +99,38 @@ def shown(job_id: int, array_id: Optional[int], array_index: Optional[int]) -> s
     return f"{array_id}_{array_index}" if array_id else str(job_id)
 
 
-def array_class(shared: Mapping[str, object]) -> Type[Job]:
+class _Index:
+    """An element's array_index, from its id: ids are given in the order of the array's indices, from the
+    array's own id on (an element whose own value was read back from a row keeps that one instead)."""
+
+    def __init__(self, first: int, indices: Sequence[int]) -> None:
+        self.first, self.indices = first, indices
+
+    def __get__(self, job: Optional[Job], cls: object = None) -> int:
+        position = job.id - self.first if job is not None else -1
+        if 0 <= position < len(self.indices):
+            return self.indices[position]
+        raise AttributeError("array_index")
+
+
+def array_class(shared: Mapping[str, object], indices: Optional[Sequence[int]] = None) -> Type[Job]:
     """The class of an array's elements: a Job whose values in `shared` (what its elements were submitted
-    with: every field but id and array_index) are class attributes, so that an element holds only its id,
-    its index and the fields that changed since: about 100 bytes, not its own copy of 40 fields (2 KB)."""
+    with: every field but id and array_index) are class attributes, so that an element holds only its id
+    and the fields that changed since: about 100 bytes, not its own copy of 40 fields (2 KB). With the
+    array's indices (in the order of its ids, from the array's id on), an element's index is found from
+    its id; without, each element keeps its own."""
     values = {k: v for k, v in shared.items() if k in _FIELD_SET and k not in _OWN}
+    if indices is not None:
+        values["array_index"] = _Index(int(shared["array_id"]), indices)  # type: ignore[call-overload]
     needs: FrozenSet[str] = _REQUIRED - values.keys()
-    attrs = {"__slots__": _OWN, "__init__": _element_init, "__module__": __name__, "__qualname__": "Job"}
+    attrs = {"__slots__": ("id",), "__init__": _element_init, "__module__": __name__, "__qualname__": "Job"}
     return type("Job", (Job,), {**attrs, "_needs": needs, **values})
+
+
+def indices_of(cls: Type[Job]) -> Optional[Sequence[int]]:
+    """The indices an array's class (array_class) was given, in the order of its elements' ids; None."""
+    index = cls.__dict__.get("array_index")
+    return index.indices if isinstance(index, _Index) else None
 
 
 def values_of(job: Job) -> Dict[str, object]:
@@ -114,16 +139,16 @@ def values_of(job: Job) -> Dict[str, object]:
 
 
 def _element_init(self: Job, **fields: object) -> None:
-    """An element made from values (dataclasses.replace, a row read back): a value its array's class holds
+    """An element made from values (dataclasses.replace, a row read back): a value its array's class gives
     already (the same object, or equal and of the same type) is not kept again."""
-    cls = type(self)
-    missing = cls._needs - fields.keys()  # type: ignore[attr-defined]
+    missing = type(self)._needs - fields.keys()  # type: ignore[attr-defined]
     unknown = fields.keys() - _FIELD_SET
     if missing or unknown:
         raise TypeError(f"an array's element: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    object.__setattr__(self, "id", fields.pop("id"))
     fields.setdefault("array_index", 0)
     for name, value in fields.items():
-        held = getattr(cls, name) if name not in _OWN and hasattr(cls, name) else _NONE
+        held = getattr(self, name, _NONE)
         if held is not value and (type(held) is not type(value) or held != value):
             object.__setattr__(self, name, value)
 
@@ -131,12 +156,11 @@ def _element_init(self: Job, **fields: object) -> None:
 _NONE = object()
 
 
-def element(cls: Type[Job], job_id: int, index: int) -> Job:
-    """An array's element as submitted: an object of its array's class (array_class) with its own id and
-    index, nothing else (Job's __init__ over every field: 40 µs an element, 0.4 s of 10 000)."""
+def element(cls: Type[Job], job_id: int) -> Job:
+    """An array's element as submitted: an object of its array's class (array_class, with the array's
+    indices) that holds only its id (Job's __init__ over every field: 40 µs an element, 0.4 s of 10 000)."""
     job = object.__new__(cls)
     object.__setattr__(job, "id", job_id)
-    object.__setattr__(job, "array_index", index)
     return job
 
 

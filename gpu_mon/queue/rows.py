@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Dict, Iterable, Mapping, Tuple, Type
+from typing import Dict, Iterable, Mapping, Sequence, Tuple, Type
 
+from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 
 TUPLES = ("command", "after", "gpus", "after_arrays", "notify")
@@ -44,10 +45,16 @@ def to_row(job: Job, shared: bool = False) -> str:
     return _dumps(data)
 
 
-def array_row(base: Job) -> str:
-    """An array's `arrays` row: every field of its elements as submitted, but their ids and indices."""
+def array_row(base: Job, indices: Sequence[int]) -> str:
+    """An array's `arrays` row: every field of its elements as submitted, but their ids and indices; and
+    its indices, in the order of its elements' ids (`span`: [start, stop, step] of a range; else
+    `indices`)."""
     data = _data(base)
     data.pop("array_index")
+    if isinstance(indices, range):
+        data["span"] = [indices.start, indices.stop, indices.step]
+    else:
+        data["indices"] = list(indices)
     return _dumps(data)
 
 
@@ -66,8 +73,9 @@ def element_rows_bytes(array_id: int, indices: Iterable[int]) -> int:
     return count * len(element_row(array_id, 0)) - count + digits
 
 
-def shared_part(text: str) -> Dict[str, object]:
-    """An `arrays` row read back once, in the form a Job holds (its elements share these objects)."""
+def array_class(text: str) -> Type[Job]:
+    """The class of an array's elements (jobs.array_class) from its `arrays` row: they share its values.
+    A row without the array's indices (an older gpu-mon's): each element keeps its own index."""
     data = json.loads(text)
     out: Dict[str, object] = {}
     for key, value in data.items():
@@ -77,7 +85,9 @@ def shared_part(text: str) -> Dict[str, object]:
             out[key] = tuple(value or ())
         elif key in _KNOWN:
             out[key] = value
-    return out
+    span, indices = data.get("span"), data.get("indices")
+    order = range(*span) if isinstance(span, list) else tuple(indices) if isinstance(indices, list) else None
+    return J.array_class(out, order)
 
 
 def _env(value: object) -> Tuple[Tuple[str, str], ...]:

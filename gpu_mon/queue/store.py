@@ -24,11 +24,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Type
+from typing import Callable, Dict, Iterable, List, MutableMapping, Optional, Sequence, Set, Tuple, Type
 
 from gpu_mon.api import historydb
+from gpu_mon.queue import arrays, rows
 from gpu_mon.queue import jobs as J
-from gpu_mon.queue import rows
+from gpu_mon.queue.arrays import Members
 from gpu_mon.queue.jobs import Job
 
 log = logging.getLogger("gpu_mon")
@@ -49,6 +50,9 @@ _QUEUE_STATE = "CREATE TABLE IF NOT EXISTS queue_state (key TEXT PRIMARY KEY, va
 # 2: an array's shared part once (an older gpu-mon would read its elements without a command: it moves the
 # file aside instead, as it does any newer one)
 _SCHEMA_V2 = "CREATE TABLE arrays (id INTEGER PRIMARY KEY, data TEXT NOT NULL);"
+# SQLite's page cache, KiB (its default: 2000): reads are from memory (the file is read whole once, at
+# start), so the cache only holds the pages a write changes; 2 MB of the daemon's memory for nothing.
+CACHE_KIB = 200
 
 
 class NotOurs(Exception):
@@ -71,15 +75,6 @@ SELECT :first + k, :user, :state, :submitted, NULL,
     '{"array_id":' || :first || ',"array_index":' || (:start + k * :step) || '}' FROM k"""
 
 
-def _span(indices: Sequence[int]) -> Optional[range]:
-    """The indices as a range, when they are one (evenly spaced, increasing)."""
-    if not indices:
-        return None
-    step = indices[1] - indices[0] if len(indices) > 1 else 1
-    span = range(indices[0], indices[-1] + 1, step) if step > 0 else range(0)
-    return span if len(span) == len(indices) and tuple(span) == tuple(indices) else None
-
-
 def _as_submitted(job: Job) -> int:
     """The bytes of an element's row as submitted (rows.element_row); -1 for a job not in an array."""
     return len(rows.element_row(job.array_id, job.array_index)) if job.array_id else -1
@@ -98,6 +93,7 @@ def _connect(path: str):
         raise NotOurs(str(err)) from None
     try:
         _migrate(conn)
+        conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
     except historydb.OperationalError:  # (a full disk, a lock: the file is not damaged for it)
         conn.close()
         raise
@@ -171,7 +167,8 @@ class Store:
         self._bytes: Dict[str, int] = {}
         self._size: Dict[int, int] = {}  # job id -> its row's bytes (not an element's as submitted: _size_of)
         self._array_size: Dict[int, int] = {}  # array id -> its shared row's bytes (arrays stored so)
-        self.arrays: Dict[int, Dict[int, int]] = {}  # array id -> index -> the element's job id
+        # array id -> index -> the element's job id (arrays.Members: nothing kept per element)
+        self.arrays: Dict[int, MutableMapping[int, int]] = {}
         self.unwritten: Dict[int, str] = {}  # job id -> its row, changed in memory but not on disk yet
         self.failing: Optional[str] = None  # why writes fail now (None: they work)
         self._retry_at = 0.0
@@ -181,17 +178,30 @@ class Store:
     def _load(self) -> None:
         classes: Dict[int, Type[Job]] = {}
         for array_id, text in self.conn.execute("SELECT id, data FROM arrays"):
-            classes[array_id] = J.array_class(rows.shared_part(text))
+            classes[array_id] = rows.array_class(text)
             self._array_size[array_id] = len(text)
+        kept_whole: List[Members] = []  # (their elements removed since: once every row is read)
+        one_by_one: Dict[int, Dict[int, int]] = {}  # the arrays that keep no indices (an older gpu-mon's)
         for job_id, text in self.conn.execute("SELECT id, data FROM jobs ORDER BY id"):
             job = self.jobs[job_id] = rows.from_row(job_id, text, classes)
             self._tally(job, 1)
             self._weigh(job, len(text), 1)
-            if job.array_id:
-                members = self.arrays.setdefault(job.array_id, {})
-                if not members:
-                    self._bytes[job.user] += self._array_size.get(job.array_id, 0)
-                members[job.array_index] = job_id
+            if not job.array_id:
+                continue
+            if job.array_id not in self.arrays and job.array_id not in one_by_one:
+                self._bytes[job.user] += self._array_size.get(job.array_id, 0)
+                order = J.indices_of(classes[job.array_id]) if job.array_id in classes else None
+                if order is None:
+                    one_by_one[job.array_id] = {}
+                else:
+                    kept_whole.append(Members(job.array_id, order))
+                    self.arrays[job.array_id] = kept_whole[-1]
+            if job.array_id in one_by_one:
+                one_by_one[job.array_id][job.array_index] = job_id
+        for members in kept_whole:
+            ids = range(members.first, members.first + len(members.order))
+            members.gone.update(i for i, j in zip(members.order, ids) if j not in self.jobs)
+        self.arrays.update(one_by_one)
 
     def _tally(self, job: Job, sign: int) -> None:
         if job.state not in J.ENDED:
@@ -344,31 +354,26 @@ class Store:
                 )
             first = self._next_id()
             base = dataclasses.replace(job, id=first, array_id=first, array_index=0)
-            shared = rows.array_row(base)
-            size = rows.element_rows_bytes(first, indices)
-            self._make_room(job.user, len(indices), len(shared) + size, limits)
+            order = arrays.as_range(indices) or tuple(indices)
+            shared = rows.array_row(base, order)
+            size = rows.element_rows_bytes(first, order)
+            self._make_room(job.user, len(order), len(shared) + size, limits)
             try:
-                self._transaction(lambda: self._insert_array(base, shared, indices))
+                self._transaction(lambda: self._insert_array(base, shared, order))
             except (historydb.Error, OSError) as err:
                 raise self._cannot_store(err) from None
             ahead = self._queued
-            self._add_elements(J.array_class(J.values_of(base)), first, indices)
+            cls = J.array_class(J.values_of(base), order)
+            self.jobs.update((i, J.element(cls, i)) for i in range(first, first + len(order)))
+            self.arrays[first] = Members(first, order)
             self._array_size[first] = len(shared)
-            self._kept[job.user] = self._kept.get(job.user, 0) + len(indices)
+            self._kept[job.user] = self._kept.get(job.user, 0) + len(order)
             self._bytes[job.user] = self._bytes.get(job.user, 0) + len(shared) + size
-            self._unfinished[job.user] = mine + (0 if job.state in J.ENDED else len(indices))
+            self._unfinished[job.user] = mine + (0 if job.state in J.ENDED else len(order))
             if job.state == J.QUEUED:
-                self._queued += len(indices)
+                self._queued += len(order)
             self.version += 1
             return self.jobs[first], ahead
-
-    def _add_elements(self, cls: Type[Job], first: int, indices: Sequence[int]) -> None:
-        """An array's elements as submitted, in memory (ids from `first`, in the order of `indices`)."""
-        members = self.arrays[first] = {}
-        jobs, element = self.jobs, J.element
-        for job_id, i in enumerate(indices, first):
-            jobs[job_id] = element(cls, job_id, i)
-            members[i] = job_id
 
     def _insert_array(self, base: Job, shared: str, indices: Sequence[int]) -> None:
         """The array's row and its elements' (rows.element_row), ids from the array's on. Indices evenly
@@ -376,7 +381,7 @@ class Store:
         rows bound one by one from Python: 30-60 ms; so: 10-15 ms)."""
         self.conn.execute("INSERT INTO arrays (id, data) VALUES (?, ?)", (base.id, shared))
         values = {"first": base.id, "user": base.user, "state": base.state, "submitted": base.submitted}
-        span = _span(indices)
+        span = indices if isinstance(indices, range) else None
         if span is not None:
             step = {"count": len(span), "start": span.start, "step": span.step}
             self.conn.execute(_ELEMENTS, {**values, **step})
