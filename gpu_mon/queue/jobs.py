@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple, Type
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Type
 
 QUEUED, HELD, RUNNING, STOPPING = "queued", "held", "running", "stopping"
 DONE, FAILED, CANCELLED, PREEMPTED, TIMEOUT = "done", "failed", "cancelled", "preempted", "timeout"
@@ -23,7 +23,10 @@ STOP_PREEMPT, STOP_CANCEL, STOP_TIMEOUT, STOP_RESTART = "preempt", "cancel", "ti
 
 @dataclass(frozen=True)
 class Job:
-    """One job: what the user submitted, and where it stands."""
+    """One job: what the user submitted, and where it stands. `Job(...)` makes a job that holds its every
+    field; an array's elements are of their array's own class (array_class), that holds what they share."""
+
+    __slots__ = ()  # (the fields are kept by the subclasses: _Whole, or an array's)
 
     id: int
     user: str
@@ -70,12 +73,22 @@ class Job:
         """The submitted environment."""
         return dict(self.env)
 
+    def __new__(cls, *args: object, **kwargs: object) -> Job:
+        return object.__new__(_Whole if cls is Job else cls)
+
     def __eq__(self, other: object) -> bool:
         """Field by field: an array's element (of its array's class, see array_class) equals a Job with
         the same values."""
         if not isinstance(other, Job):
             return NotImplemented
         return bool(_values(self) == _values(other))
+
+
+class _Whole(Job):
+    """A job that holds its every field (in its __dict__)."""
+
+
+_Whole.__name__ = _Whole.__qualname__ = "Job"
 
 
 FIELDS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Job))
@@ -106,25 +119,32 @@ class _Index:
     def __init__(self, first: int, indices: Sequence[int]) -> None:
         self.first, self.indices = first, indices
 
+    def at(self, job_id: int) -> object:
+        position = job_id - self.first
+        return self.indices[position] if 0 <= position < len(self.indices) else _NONE
+
     def __get__(self, job: Optional[Job], cls: object = None) -> int:
-        position = job.id - self.first if job is not None else -1
-        if 0 <= position < len(self.indices):
-            return self.indices[position]
-        raise AttributeError("array_index")
+        index = self.at(job.id) if job is not None else _NONE
+        if index is _NONE:
+            raise AttributeError("array_index")
+        return index  # type: ignore[return-value]
 
 
 def array_class(shared: Mapping[str, object], indices: Optional[Sequence[int]] = None) -> Type[Job]:
     """The class of an array's elements: a Job whose values in `shared` (what its elements were submitted
-    with: every field but id and array_index) are class attributes, so that an element holds only its id
-    and the fields that changed since: about 100 bytes, not its own copy of 40 fields (2 KB). With the
-    array's indices (in the order of its ids, from the array's id on), an element's index is found from
-    its id; without, each element keeps its own."""
+    with: every field but id and array_index) are class attributes. An element as submitted holds only
+    its id (40 bytes, not its own copy of 40 fields: 2 KB); one that changed since is of a subclass that
+    holds the fields that changed, too. With the array's indices (in the order of its ids, from the
+    array's id on), an element's index is found from its id; without, each element keeps its own."""
     values = {k: v for k, v in shared.items() if k in _FIELD_SET and k not in _OWN}
     if indices is not None:
         values["array_index"] = _Index(int(shared["array_id"]), indices)  # type: ignore[call-overload]
-    needs: FrozenSet[str] = _REQUIRED - values.keys()
-    attrs = {"__slots__": ("id",), "__init__": _element_init, "__module__": __name__, "__qualname__": "Job"}
-    return type("Job", (Job,), {**attrs, "_needs": needs, **values})
+    attrs = {"__module__": __name__, "__qualname__": "Job", "__new__": _element, "__init__": _made}
+    cls = type("Job", (Job,), {**attrs, "__slots__": ("id",), **values})
+    cls._changed = type("Job", (cls,), {"__module__": __name__, "__qualname__": "Job"})  # type: ignore
+    cls._as_submitted = cls  # type: ignore[attr-defined]
+    cls._needs = _REQUIRED - values.keys()  # type: ignore[attr-defined]
+    return cls
 
 
 def indices_of(cls: Type[Job]) -> Optional[Sequence[int]]:
@@ -138,19 +158,31 @@ def values_of(job: Job) -> Dict[str, object]:
     return dict(zip(FIELDS, _values(job)))
 
 
-def _element_init(self: Job, **fields: object) -> None:
-    """An element made from values (dataclasses.replace, a row read back): a value its array's class gives
-    already (the same object, or equal and of the same type) is not kept again."""
-    missing = type(self)._needs - fields.keys()  # type: ignore[attr-defined]
-    unknown = fields.keys() - _FIELD_SET
+def _element(cls: Type[Job], **fields: object) -> Job:
+    """An element made from values (dataclasses.replace, a row read back), whole here (`_made`): a value
+    its array's class gives already (the same object, or equal and of the same type) is not kept again;
+    one with no other value than those is an element as submitted."""
+    base = cls._as_submitted  # type: ignore[attr-defined]
+    missing, unknown = base._needs - fields.keys(), fields.keys() - _FIELD_SET
     if missing or unknown:
         raise TypeError(f"an array's element: missing {sorted(missing)}, unknown {sorted(unknown)}")
-    object.__setattr__(self, "id", fields.pop("id"))
+    job_id = fields.pop("id")
+    index = base.__dict__.get("array_index")
     fields.setdefault("array_index", 0)
+    own = {}
     for name, value in fields.items():
-        held = getattr(self, name, _NONE)
+        held = index.at(job_id) if name == "array_index" and index is not None else getattr(base, name, _NONE)
         if held is not value and (type(held) is not type(value) or held != value):
-            object.__setattr__(self, name, value)
+            own[name] = value
+    job = object.__new__(base._changed if own else base)
+    object.__setattr__(job, "id", job_id)
+    for name, value in own.items():
+        object.__setattr__(job, name, value)
+    return job
+
+
+def _made(self: Job, **fields: object) -> None:
+    """(An element is made whole by _element.)"""
 
 
 _NONE = object()
