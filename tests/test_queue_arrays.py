@@ -22,7 +22,7 @@ from conftest import foreign_open, wait_for
 from test_queue import Lab, made_lab, queue_body
 
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, hooks, placement
+from gpu_mon.queue import arrays, hooks, placement, rows
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import elapsed
@@ -155,9 +155,7 @@ def _held_array_bytes(store: Store, spec: str) -> float:
         tracemalloc.stop()
 
 
-def test_an_arrays_elements_take_a_few_bytes_each_in_memory_and_on_disk_until_they_change(
-    tmp_path: Path,
-) -> None:
+def test_an_arrays_elements_take_a_few_bytes_in_memory_and_on_disk_until_they_change(tmp_path: Path) -> None:
     """(Issue 38 item 10: five held 10 000-element arrays took 110 MB of the daemon's memory.) An element as
     submitted keeps its id and nothing else in memory, and its row is its array's id and its index; one
     that changes keeps what changed; all read back alike."""
@@ -173,15 +171,12 @@ def test_an_arrays_elements_take_a_few_bytes_each_in_memory_and_on_disk_until_th
     assert (unchanged.array_index, unchanged.state, unchanged.env) == (7, J.HELD, _job().env)
     store.close()
     with contextlib.closing(sqlite3.connect(path)) as db:
-        rows = dict(db.execute("SELECT id, data FROM jobs"))
-    assert (
-        rows[8] == '{"array_id":1,"array_index":7}'
-        and rows[listed.id + 1] == '{"array_id":10001,"array_index":5}'
-    )
-    assert (
-        json.loads(rows[7])["state"] == J.QUEUED and json.loads(rows[listed.id + 2])["state"] == J.CANCELLED
-    )
-    assert "env" not in json.loads(rows[7])  # (what the elements share, once: in the array's row)
+        stored = dict(db.execute("SELECT id, data FROM jobs"))
+    assert stored[8] == '{"array_id":1,"array_index":7}'
+    assert stored[listed.id + 1] == '{"array_id":10001,"array_index":5}'
+    assert json.loads(stored[7])["state"] == J.QUEUED
+    assert json.loads(stored[listed.id + 2])["state"] == J.CANCELLED
+    assert "env" not in json.loads(stored[7])  # (what the elements share, once: in the array's row)
     again = Store.open(path, time.time())
     assert again.jobs == store.jobs and again.arrays == store.arrays
     assert [j.state for j in again.elements(listed.id)] == [J.HELD, J.HELD, J.CANCELLED, J.HELD, J.HELD]
@@ -189,6 +184,9 @@ def test_an_arrays_elements_take_a_few_bytes_each_in_memory_and_on_disk_until_th
     assert again.element(listed.id, 9).id == listed.id + 2 and again.element(listed.id, 2) is None
     assert not hasattr(again.get(8), "__dict__")
     again.close()
+    for spec in ("0-9999", "95-104:4", "7", "3-1000:7", "1,5,9-11"):  # (what the user's limit counts)
+        indices = arrays.parse(spec, 10000).indices
+        assert rows.element_rows_bytes(12, indices) == sum(len(rows.element_row(12, i)) for i in indices)
 
 
 def test_placement_keeps_an_arrays_limit_and_waits_for_a_whole_array() -> None:

@@ -22,12 +22,21 @@ class SpecError(ValueError):
     """A SPEC that is refused; str() is one line."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ArraySpec:
-    """The indices an array has (sorted, each once) and how many of its elements may run at once (0: any)."""
+    """The indices an array has (sorted, each once: a range for a spec of one item, else a tuple) and how
+    many of its elements may run at once (0: any). Equal to another with the same indices and limit."""
 
-    indices: Tuple[int, ...]
+    indices: Sequence[int]
     limit: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ArraySpec):
+            return NotImplemented
+        return (tuple(self.indices), self.limit) == (tuple(other.indices), other.limit)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.indices), self.limit))
 
 
 def _number(text: str, what: str) -> int:
@@ -84,8 +93,8 @@ def parse(spec: str, max_size: int) -> ArraySpec:
         if count > max_size:
             raise SpecError(f"more than {max_size} elements ([queue] max_array_size)")
         ranges.append(r)
-    indices = ranges[0] if len(ranges) == 1 else sorted({i for r in ranges for i in r})
-    return ArraySpec(tuple(indices), limit)
+    indices = ranges[0] if len(ranges) == 1 else tuple(sorted({i for r in ranges for i in r}))
+    return ArraySpec(indices, limit)
 
 
 def as_range(indices: Sequence[int]) -> Optional[range]:
@@ -94,7 +103,7 @@ def as_range(indices: Sequence[int]) -> Optional[range]:
         return indices if isinstance(indices, range) and indices.step > 0 and indices else None
     step = indices[1] - indices[0] if len(indices) > 1 else 1
     span = range(indices[0], indices[-1] + 1, step) if step > 0 else range(0)
-    return span if len(span) == len(indices) and tuple(span) == tuple(indices) else None
+    return span if len(span) == len(indices) and all(map(int.__eq__, span, indices)) else None
 
 
 def ranges(indices: Iterable[int]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Dict, Iterable, Mapping, Sequence, Tuple, Type
+from typing import Dict, Mapping, Sequence, Tuple, Type
 
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
@@ -63,14 +63,24 @@ def element_row(array_id: int, index: int) -> str:
     return f'{{"array_id":{array_id},"array_index":{index}}}'
 
 
-def element_rows_bytes(array_id: int, indices: Iterable[int]) -> int:
+def element_rows_bytes(array_id: int, indices: Sequence[int]) -> int:
     """The bytes of the rows of an array's elements as submitted (element_row's, added up)."""
-    count = 0
-    digits = 0
-    for text in map(str, indices):
-        count += 1
-        digits += len(text)
-    return count * len(element_row(array_id, 0)) - count + digits
+    return len(indices) * (len(element_row(array_id, 0)) - 1) + _digits(indices)
+
+
+def _digits(indices: Sequence[int]) -> int:
+    """The digits of the (whole, not negative) indices, added up; of a range, counted by widths."""
+    if not isinstance(indices, range) or indices.step < 1:
+        return sum(len(str(i)) for i in indices)
+
+    def before(value: int) -> int:  # how many of the indices are below value
+        return min(len(indices), max(0, -(-(value - indices.start) // indices.step)))
+
+    widest = len(str(indices[-1])) if indices else 0
+    return sum(
+        width * (before(10**width) - before(10 ** (width - 1) if width > 1 else 0))
+        for width in range(1, widest + 1)
+    )
 
 
 def array_class(text: str) -> Type[Job]:
