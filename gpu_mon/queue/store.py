@@ -2,10 +2,13 @@
 and an in-memory copy of every job that reads use. Every change is committed before it is acknowledged
 (but see below: a full disk).
 
-Tables: `jobs`, the columns reads would filter on (user, state, times) and the job as JSON; `arrays`, what
-every element of an array has alike, once per array (rows.py); and `queue_state`, the queue's own settings
-as key and JSON value (`drained`: who drained it, when). The file carries its own application id and
-schema version; a damaged or foreign file is moved aside (one log line) and a new one started.
+Tables: `jobs`, the columns reads would filter on (user, state, times) and the job as JSON; `arrays`, an
+array as submitted, once (its elements' rows hold their array's id and index until they change: rows.py);
+and `queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when). In
+memory too an element as submitted is its id (jobs.array_class) and its array's index -> id is the array's
+indices (arrays.Members): five held 10 000-element arrays take 10 MB of the daemon's memory, not 110.
+The file carries its own application id and schema version; a damaged or foreign file is moved aside (one
+log line) and a new one started.
 Thread-safe: the socket server and the daemon's loop both write.
 
 What one user may keep is bounded (`Limits`): jobs, finished ones included, and the bytes of their rows; a
