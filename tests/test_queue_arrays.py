@@ -9,8 +9,10 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Dict, List
 
@@ -20,7 +22,8 @@ from conftest import foreign_open, wait_for
 from test_queue import Lab, made_lab, queue_body
 
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, hooks, placement
+from gpu_mon.queue import arrays, hooks, placement, rows
+from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import elapsed
 from gpu_mon.queue.store import Refused, Store
@@ -138,6 +141,52 @@ def test_an_array_is_stored_in_one_transaction_with_consecutive_ids_and_read_bac
     nxt, _ = again.submit(_job(), 100000)
     assert nxt.id == 10002  # ids go on after the array's
     assert took < 5  # (the bench measures it; here only that it is not one transaction an element)
+
+
+def _held_array_bytes(store: Store, spec: str) -> float:
+    """The memory an array of `spec`, held, takes in the store, per element."""
+    indices = arrays.parse(spec, 10000).indices
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        store.submit_array(_job(state=J.HELD), indices, 100000)
+        return (tracemalloc.get_traced_memory()[0] - before) / len(indices)
+    finally:
+        tracemalloc.stop()
+
+
+def test_an_arrays_elements_take_a_few_bytes_in_memory_and_on_disk_until_they_change(tmp_path: Path) -> None:
+    """(Issue 38 item 10: five held 10 000-element arrays took 110 MB of the daemon's memory.) An element as
+    submitted keeps its id and nothing else in memory, and its row is its array's id and its index; one
+    that changes keeps what changed; all read back alike."""
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, time.time())
+    assert _held_array_bytes(store, "0-9999") < 300  # (each its own copy of every field: 2000)
+    listed = store.submit_array(_job(state=J.HELD), arrays.parse("1,5,9-11", 100).indices, 100000)[0]
+    assert [j.array_index for j in store.elements(listed.id)] == [1, 5, 9, 10, 11]
+    store.change(7, J.released)
+    store.change(listed.id + 2, lambda j: J.cancelled(j, 5.0, "cancelled by ann"))
+    unchanged = store.get(8)
+    assert not hasattr(unchanged, "__dict__") and unchanged.env is store.get(9).env
+    assert (unchanged.array_index, unchanged.state, unchanged.env) == (7, J.HELD, _job().env)
+    store.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        stored = dict(db.execute("SELECT id, data FROM jobs"))
+    assert stored[8] == '{"array_id":1,"array_index":7}'
+    assert stored[listed.id + 1] == '{"array_id":10001,"array_index":5}'
+    assert json.loads(stored[7])["state"] == J.QUEUED
+    assert json.loads(stored[listed.id + 2])["state"] == J.CANCELLED
+    assert "env" not in json.loads(stored[7])  # (what the elements share, once: in the array's row)
+    again = Store.open(path, time.time())
+    assert again.jobs == store.jobs and again.arrays == store.arrays
+    assert [j.state for j in again.elements(listed.id)] == [J.HELD, J.HELD, J.CANCELLED, J.HELD, J.HELD]
+    assert again.element(1, 6).state == J.QUEUED and again.element(1, 6).id == 7
+    assert again.element(listed.id, 9).id == listed.id + 2 and again.element(listed.id, 2) is None
+    assert not hasattr(again.get(8), "__dict__")
+    again.close()
+    for spec in ("0-9999", "95-104:4", "7", "3-1000:7", "1,5,9-11"):  # (what the user's limit counts)
+        indices = arrays.parse(spec, 10000).indices
+        assert rows.element_rows_bytes(12, indices) == sum(len(rows.element_row(12, i)) for i in indices)
 
 
 def test_placement_keeps_an_arrays_limit_and_waits_for_a_whole_array() -> None:

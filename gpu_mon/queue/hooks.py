@@ -79,12 +79,12 @@ class Notice:
     counts: str = ""  # an array's: `done=198 failed=2`
 
 
-def _event(before: Tuple[str, int], job: Job) -> Optional[str]:
-    """How the job ended or went back to the queue since it was seen as `before` (state, restarts)."""
-    state, restarts = before
-    if job.state in J.ENDED and state not in J.ENDED:
+def _event(before: Optional[Job], job: Job) -> Optional[str]:
+    """How the job ended or went back to the queue since it was seen as `before` (None: unended, never
+    restarted)."""
+    if job.state in J.ENDED and (before is None or before.state not in J.ENDED):
         return job.state
-    if job.state == J.QUEUED and job.restarts > restarts:
+    if job.state == J.QUEUED and job.restarts > (before.restarts if before is not None else 0):
         return REQUEUED  # (back in the queue: `preempted` is a job that ended so, under --no-requeue)
     return None
 
@@ -93,7 +93,10 @@ class Notices:
     """What to notify, found by comparing the jobs with those seen last (pure; one pass over the jobs)."""
 
     def __init__(self) -> None:
-        self.seen: Dict[int, Tuple[str, int]] = {}
+        # The jobs seen last that had ended or restarted (a job not there, up to `top`, had neither: a
+        # queue of 50 000 waiting jobs is remembered in no space)
+        self.seen: Dict[int, Job] = {}
+        self.top = 0  # the highest job id seen last (ids only grow: one above is new)
         self.version = -1
 
     def changes(self, jobs: Iterable[Job], version: int) -> List[Notice]:
@@ -107,9 +110,13 @@ class Notices:
         unfinished: Dict[int, int] = collections.defaultdict(int)
         counts: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         failure: Dict[int, Job] = {}  # array -> its first element that did not end done
-        seen: Dict[int, Tuple[str, int]] = {}
+        seen: Dict[int, Job] = {}
+        top = newest = self.top
         for j in jobs:
-            seen[j.id] = (j.state, j.restarts)
+            if j.state in J.ENDED or j.restarts:
+                seen[j.id] = j
+            if j.id > newest:
+                newest = j.id
             if j.array_id:
                 if j.state in J.ENDED:
                     counts[j.array_id][j.state] += 1
@@ -117,8 +124,7 @@ class Notices:
                         failure[j.array_id] = j
                 else:
                     unfinished[j.array_id] += 1
-            before = self.seen.get(j.id)
-            event = None if first or before is None else _event(before, j)
+            event = None if first or j.id > top else _event(self.seen.get(j.id), j)
             if event is None:
                 continue
             if j.array_id and not j.notify_each:
@@ -126,7 +132,7 @@ class Notices:
                     ended[j.array_id] = j
                 continue
             out.append(Notice(j, event, j.exit_status))
-        self.seen = seen
+        self.seen, self.top = seen, newest
         for array_id, last in ended.items():
             if unfinished[array_id]:
                 continue

@@ -7,8 +7,9 @@ queued <-> held; queued/held -> cancelled. `ended` states never change again.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Type
 
 QUEUED, HELD, RUNNING, STOPPING = "queued", "held", "running", "stopping"
 DONE, FAILED, CANCELLED, PREEMPTED, TIMEOUT = "done", "failed", "cancelled", "preempted", "timeout"
@@ -22,7 +23,10 @@ STOP_PREEMPT, STOP_CANCEL, STOP_TIMEOUT, STOP_RESTART = "preempt", "cancel", "ti
 
 @dataclass(frozen=True)
 class Job:
-    """One job: what the user submitted, and where it stands."""
+    """One job: what the user submitted, and where it stands. `Job(...)` makes a job that holds its every
+    field; an array's elements are of their array's own class (array_class), that holds what they share."""
+
+    __slots__ = ()  # (the fields are kept by the subclasses: _Whole, or an array's)
 
     id: int
     user: str
@@ -69,6 +73,32 @@ class Job:
         """The submitted environment."""
         return dict(self.env)
 
+    def __new__(cls, *args: object, **kwargs: object) -> Job:
+        return object.__new__(_Whole if cls is Job else cls)
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field: an array's element (of its array's class, see array_class) equals a Job with
+        the same values."""
+        if not isinstance(other, Job):
+            return NotImplemented
+        return bool(_values(self) == _values(other))
+
+
+class _Whole(Job):
+    """A job that holds its every field (in its __dict__)."""
+
+
+_Whole.__name__ = _Whole.__qualname__ = "Job"
+
+
+FIELDS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Job))
+_FIELD_SET = frozenset(FIELDS)
+_REQUIRED = frozenset(f.name for f in dataclasses.fields(Job) if f.default is dataclasses.MISSING)
+_values = operator.attrgetter(*FIELDS)
+# What an array's element holds itself (its index: from its id); the rest is its array's class's until it
+# changes (array_class)
+_OWN = ("id", "array_index")
+
 
 def ref(job: Job) -> str:
     """How users name it: `17`, or `17_5` for an array's element (never its own number: an element's is
@@ -82,14 +112,87 @@ def shown(job_id: int, array_id: Optional[int], array_index: Optional[int]) -> s
     return f"{array_id}_{array_index}" if array_id else str(job_id)
 
 
-def element(base: Job, job_id: int, index: int) -> Job:
-    """An array's element: `base` with its own id and index. Made by copying base's fields (a frozen
-    dataclass's `replace` runs __init__ over every field: 40 µs an element, 0.4 s of a 10 000-element
-    submit); nothing is computed in __init__, so the copy is the same job."""
-    job = object.__new__(Job)
-    fields = job.__dict__
-    fields.update(base.__dict__)
-    fields["id"], fields["array_index"] = job_id, index
+class _Index:
+    """An element's array_index, from its id: ids are given in the order of the array's indices, from the
+    array's own id on (an element whose own value was read back from a row keeps that one instead)."""
+
+    def __init__(self, first: int, indices: Sequence[int]) -> None:
+        self.first, self.indices = first, indices
+
+    def at(self, job_id: int) -> object:
+        position = job_id - self.first
+        return self.indices[position] if 0 <= position < len(self.indices) else _NONE
+
+    def __get__(self, job: Optional[Job], cls: object = None) -> int:
+        index = self.at(job.id) if job is not None else _NONE
+        if index is _NONE:
+            raise AttributeError("array_index")
+        return index  # type: ignore[return-value]
+
+
+def array_class(shared: Mapping[str, object], indices: Optional[Sequence[int]] = None) -> Type[Job]:
+    """The class of an array's elements: a Job whose values in `shared` (what its elements were submitted
+    with: every field but id and array_index) are class attributes. An element as submitted holds only
+    its id (40 bytes, not its own copy of 40 fields: 2 KB); one that changed since is of a subclass that
+    holds the fields that changed, too. With the array's indices (in the order of its ids, from the
+    array's id on), an element's index is found from its id; without, each element keeps its own."""
+    values = {k: v for k, v in shared.items() if k in _FIELD_SET and k not in _OWN}
+    if indices is not None:
+        values["array_index"] = _Index(int(shared["array_id"]), indices)  # type: ignore[call-overload]
+    attrs = {"__module__": __name__, "__qualname__": "Job", "__new__": _element, "__init__": _made}
+    cls = type("Job", (Job,), {**attrs, "__slots__": ("id",), **values})
+    cls._changed = type("Job", (cls,), {"__module__": __name__, "__qualname__": "Job"})  # type: ignore
+    cls._as_submitted = cls  # type: ignore[attr-defined]
+    cls._needs = _REQUIRED - values.keys()  # type: ignore[attr-defined]
+    return cls
+
+
+def indices_of(cls: Type[Job]) -> Optional[Sequence[int]]:
+    """The indices an array's class (array_class) was given, in the order of its elements' ids; None."""
+    index = cls.__dict__.get("array_index")
+    return index.indices if isinstance(index, _Index) else None
+
+
+def values_of(job: Job) -> Dict[str, object]:
+    """Every field of a job (what array_class takes)."""
+    return dict(zip(FIELDS, _values(job)))
+
+
+def _element(cls: Type[Job], **fields: object) -> Job:
+    """An element made from values (dataclasses.replace, a row read back), whole here (`_made`): a value
+    its array's class gives already (the same object, or equal and of the same type) is not kept again;
+    one with no other value than those is an element as submitted."""
+    base = cls._as_submitted  # type: ignore[attr-defined]
+    missing, unknown = base._needs - fields.keys(), fields.keys() - _FIELD_SET
+    if missing or unknown:
+        raise TypeError(f"an array's element: missing {sorted(missing)}, unknown {sorted(unknown)}")
+    job_id = fields.pop("id")
+    index = base.__dict__.get("array_index")
+    fields.setdefault("array_index", 0)
+    own = {}
+    for name, value in fields.items():
+        held = index.at(job_id) if name == "array_index" and index is not None else getattr(base, name, _NONE)
+        if held is not value and (type(held) is not type(value) or held != value):
+            own[name] = value
+    job = object.__new__(base._changed if own else base)
+    object.__setattr__(job, "id", job_id)
+    for name, value in own.items():
+        object.__setattr__(job, name, value)
+    return job
+
+
+def _made(self: Job, **fields: object) -> None:
+    """(An element is made whole by _element.)"""
+
+
+_NONE = object()
+
+
+def element(cls: Type[Job], job_id: int) -> Job:
+    """An array's element as submitted: an object of its array's class (array_class, with the array's
+    indices) that holds only its id (Job's __init__ over every field: 40 µs an element, 0.4 s of 10 000)."""
+    job = object.__new__(cls)
+    object.__setattr__(job, "id", job_id)
     return job
 
 

@@ -1,9 +1,11 @@
 """A job as the queue's database keeps it: a JSON row, and an array's shared part stored once.
 
-Every element of an array has the same command, directory, environment, name, output, hook and
-dependencies: those are written once, in the `arrays` table under the array's id, and each element's row
-holds only what is its own (its index, state, times, ...). Read back, the elements share one copy of each
-of those values in memory too. A row that holds its own copy (an older gpu-mon wrote every element whole)
+An array's elements are submitted alike but for their index: the `arrays` row, under the array's id,
+holds every field of the array as submitted, and an element's row only `{"array_id":A,"array_index":I}`
+until it changes; from then on its row holds what may change (state, times, ...), never what every
+element keeps alike (SHARED: command, directory, environment, ...). Read back, an element's values are
+its row's over its array's, and the elements share one copy of the array's in memory (jobs.array_class).
+A row that holds its own copy (an older gpu-mon wrote every element whole, or its row whole but SHARED)
 is read as it is.
 """
 
@@ -11,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Sequence, Tuple, Type
 
+from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 
 TUPLES = ("command", "after", "gpus", "after_arrays", "notify")
@@ -34,7 +37,7 @@ def _data(job: Job) -> dict:
 
 
 def to_row(job: Job, shared: bool = False) -> str:
-    """The job's row; shared: without what its array keeps once (see `split`)."""
+    """The job's row; shared: without what its array keeps once (see the module's doc)."""
     data = _data(job)
     if shared:
         for key in SHARED:
@@ -42,17 +45,47 @@ def to_row(job: Job, shared: bool = False) -> str:
     return _dumps(data)
 
 
-def split(base: Job) -> Tuple[str, str]:
-    """An array's shared part (its `arrays` row), and the head of its elements' rows: each element's row is
-    the head, its index, and `}` (the index written last, so one encoding serves every element)."""
+def array_row(base: Job, indices: Sequence[int]) -> str:
+    """An array's `arrays` row: every field of its elements as submitted, but their ids and indices; and
+    its indices, in the order of its elements' ids (`span`: [start, stop, step] of a range; else
+    `indices`)."""
     data = _data(base)
-    shared = _dumps({key: data.pop(key) for key in SHARED})
     data.pop("array_index")
-    return shared, _dumps(data)[:-1] + ',"array_index":'
+    if isinstance(indices, range):
+        data["span"] = [indices.start, indices.stop, indices.step]
+    else:
+        data["indices"] = list(indices)
+    return _dumps(data)
 
 
-def shared_part(text: str) -> Dict[str, object]:
-    """An `arrays` row read back once, in the form a Job holds (its elements share these objects)."""
+def element_row(array_id: int, index: int) -> str:
+    """An element's row as submitted (its values are its array's: `array_row`)."""
+    return f'{{"array_id":{array_id},"array_index":{index}}}'
+
+
+def element_rows_bytes(array_id: int, indices: Sequence[int]) -> int:
+    """The bytes of the rows of an array's elements as submitted (element_row's, added up)."""
+    return len(indices) * (len(element_row(array_id, 0)) - 1) + _digits(indices)
+
+
+def _digits(indices: Sequence[int]) -> int:
+    """The digits of the (whole, not negative) indices, added up; of a range, counted by widths."""
+    if not isinstance(indices, range) or indices.step < 1:
+        return sum(len(str(i)) for i in indices)
+
+    def before(value: int) -> int:  # how many of the indices are below value
+        return min(len(indices), max(0, -(-(value - indices.start) // indices.step)))
+
+    widest = len(str(indices[-1])) if indices else 0
+    return sum(
+        width * (before(10**width) - before(10 ** (width - 1) if width > 1 else 0))
+        for width in range(1, widest + 1)
+    )
+
+
+def array_class(text: str) -> Type[Job]:
+    """The class of an array's elements (jobs.array_class) from its `arrays` row: they share its values.
+    A row without the array's indices (an older gpu-mon's): each element keeps its own index."""
     data = json.loads(text)
     out: Dict[str, object] = {}
     for key, value in data.items():
@@ -62,23 +95,23 @@ def shared_part(text: str) -> Dict[str, object]:
             out[key] = tuple(value or ())
         elif key in _KNOWN:
             out[key] = value
-    return out
+    span, indices = data.get("span"), data.get("indices")
+    order = range(*span) if isinstance(span, list) else tuple(indices) if isinstance(indices, list) else None
+    return J.array_class(out, order)
 
 
 def _env(value: object) -> Tuple[Tuple[str, str], ...]:
     return tuple((str(k), str(v)) for k, v in (value or {}).items())  # type: ignore[union-attr]
 
 
-def from_row(job_id: int, text: str, arrays: Mapping[int, Dict[str, object]]) -> Job:
-    """A job from its row (an array's element stored so: with its array's shared part, from `arrays`)."""
+def from_row(job_id: int, text: str, arrays: Mapping[int, Type[Job]]) -> Job:
+    """A job from its row (an array's element: its row's values over its array's class, from `arrays`)."""
     data = json.loads(text)
-    base = arrays.get(data.get("array_id") or 0) or {}
+    cls = arrays.get(data.get("array_id") or 0)
     for key in TUPLES:
-        if key in data or key not in base:
+        if key in data or cls is None:
             data[key] = tuple(data.get(key) or ())
-    if "env" in data or "env" not in base:
+    if "env" in data or cls is None:
         data["env"] = _env(data.get("env"))
     fields = {k: v for k, v in data.items() if k in _KNOWN}
-    if base:
-        fields = {**{k: v for k, v in base.items() if k not in fields}, **fields}
-    return Job(id=job_id, **fields)
+    return (cls or Job)(id=job_id, **fields)
