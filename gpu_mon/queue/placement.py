@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -201,9 +202,13 @@ def _dependency(
     return None, None
 
 
+_BY_ID, _BY_PRIORITY = operator.attrgetter("id"), operator.attrgetter("priority")
+
+
 def _order(cands: List[Job], users: _Users, fair: bool) -> List[Job]:
     """Candidates in the order they may take GPUs."""
-    cands.sort(key=lambda j: (-j.priority, j.id))
+    cands.sort(key=_BY_ID)  # (then by priority, highest first: a stable sort keeps ids in order within one)
+    cands.sort(key=_BY_PRIORITY, reverse=True)
     if not fair:
         return cands
     per_user: Dict[str, List[Job]] = defaultdict(list)
