@@ -122,8 +122,9 @@ class Queue:
         self.placed_at = -1e9
         # Submits the placement has not read yet (set from the server's thread); while place_pending, the
         # loop knows (a placement is due: at once, or at placed_at + PLACE_GAP) and needs no wake.
-        self.submitted = False
+        self.unplaced = False
         self.place_pending = False
+        self.closing = False  # gpu-mon stops: nothing is placed any more (submits want no round)
         self._live_jobs: List[Job] = []  # (_live: the running and stopping jobs at _live_version)
         self._live_version = -1
         self.force_place = False  # a job ended (its GPUs may take the next one at once)
@@ -286,14 +287,14 @@ class Queue:
         PLACE_GAP after the last placement (a burst of submits: one round for many, not one each). The
         loop is woken once for them (to know the deadline); place_pending is read after the store took
         the job, and a placement clears it before it reads the store: either way the job is placed."""
-        self.submitted = True
+        self.unplaced = True
         if not self.place_pending:
             self.place_pending = True
             self.poke()
 
     def _submits_due(self) -> Optional[float]:
         """When the submits not placed yet are (None: there are none)."""
-        return self.placed_at + PLACE_GAP if self.submitted else None
+        return self.placed_at + PLACE_GAP if self.unplaced and not self.closing else None
 
     def wake_at(self) -> Optional[float]:
         """When the queue wants its next round (a start delay, a time limit, a hook, submits to place)."""
@@ -364,6 +365,7 @@ class Queue:
         self.store.flush(now)  # (what a full disk kept from the database: it never stops the loop)
         self._ended(wall)
         if stopping:
+            self.closing = True
             return decision
         self._orphans_gone()
         views = self._views(decision, uuids)
@@ -384,7 +386,7 @@ class Queue:
             self.place_pending = True
             return _without_claimed(decision, self.plan.claimed, self._ref) if self.plan else decision
         if force or inputs != self.placed_on:
-            self.force_place = self.place_pending = self.submitted = False
+            self.force_place = self.place_pending = self.unplaced = False
             known = self.store.all()
             drained = self.store.drained is not None
             self.plan = placement.place(known, views, self.q, self.delay, now, wall, drained)
