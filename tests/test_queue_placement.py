@@ -129,6 +129,18 @@ def test_after_waits_for_done_and_cancels_on_a_failed_dependency():
     assert p.cancels == (CancelJob(2, 1, J.FAILED), CancelJob(3, 9, ""))
 
 
+def test_jobs_after_the_same_jobs_each_get_their_own_cancel_wait_or_start():
+    # (judged once for all of them: a sweep behind one job)
+    behind = [job(2, after=(1,)), job(3, after=(1,), state=J.HELD), job(4, after=(1,))]
+    p = run([job(1, state=J.FAILED), *behind])
+    assert p.cancels == (CancelJob(2, 1, J.FAILED), CancelJob(3, 1, J.FAILED), CancelJob(4, 1, J.FAILED))
+    p = run([job(1, state=J.RUNNING, gpus=(G0,)), job(2, after=(1,)), job(3, after=(1,), state=J.HELD)])
+    assert p.waiting == {2: Waiting("after", after="1")}
+    p = run([job(1, state=J.DONE), job(2, after=(1,)), job(3, after=(1,)), job(4, after=(1,))])
+    assert p.starts == (StartJob(2, (G0,)), StartJob(3, (G1,)))
+    assert p.waiting == {4: Waiting("taken", gpu=G0, by_job="2")}
+
+
 def test_a_job_takes_a_gpu_from_a_workload_unless_told_not_to():
     gpus = (free(G0, workload="miner"),)
     p = run([job(1)], gpus)

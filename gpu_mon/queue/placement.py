@@ -13,7 +13,9 @@ sort, never quadratic in the number of jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -121,16 +123,17 @@ class _Users:
     usage: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
-def _users(jobs: Sequence[Job], now: float, window: float) -> _Users:
+def _users(live: Sequence[Job], used: Sequence[Job], now: float, window: float) -> _Users:
+    """From the running jobs, and the others with GPU-seconds of runs that ended."""
     u = _Users()
-    for j in jobs:
-        if j.state in J.LIVE:
-            u.running[j.user] += 1
-            if j.array_id:
-                u.in_array[j.array_id] += 1
-            u.gpus[j.user] += len(j.gpus)
-            u.usage[j.user] += j.gpu_seconds + max(0.0, now - (j.started or now)) * len(j.gpus)
-        elif j.gpu_seconds and (j.ended is None or j.ended >= now - window):
+    for j in live:
+        u.running[j.user] += 1
+        if j.array_id:
+            u.in_array[j.array_id] += 1
+        u.gpus[j.user] += len(j.gpus)
+        u.usage[j.user] += j.gpu_seconds + max(0.0, now - (j.started or now)) * len(j.gpus)
+    for j in used:
+        if j.ended is None or j.ended >= now - window:
             u.usage[j.user] += j.gpu_seconds
     return u
 
@@ -199,9 +202,13 @@ def _dependency(
     return None, None
 
 
+_BY_ID, _BY_PRIORITY = operator.attrgetter("id"), operator.attrgetter("priority")
+
+
 def _order(cands: List[Job], users: _Users, fair: bool) -> List[Job]:
     """Candidates in the order they may take GPUs."""
-    cands.sort(key=lambda j: (-j.priority, j.id))
+    cands.sort(key=_BY_ID)  # (then by priority, highest first: a stable sort keeps ids in order within one)
+    cands.sort(key=_BY_PRIORITY, reverse=True)
     if not fair:
         return cands
     per_user: Dict[str, List[Job]] = defaultdict(list)
@@ -343,33 +350,16 @@ def place(
     wall-clock time of the jobs' times; `drained`: no job starts (nor claims a GPU), running ones go on.
     Pure: inputs are not changed."""
     by_id = {j.id: j for j in jobs}
-    views = {g.uuid: g for g in gpus}
+    sorted_out = _sort(jobs)
     out: dict = {"preempt": [], "time_up": [], "wakes": []}
-    _running(jobs, views, now, wall, out)
-    users = _users(jobs, wall, q.fair_window_hours * 3600)
+    _running(sorted_out.live, {g.uuid: g for g in gpus}, now, wall, out)
+    users = _users(sorted_out.live, sorted_out.used, wall, q.fair_window_hours * 3600)
     placer = _Placer(gpus, q, start_delay, now, wall, users)
     placer.by_id = by_id
-    for j in jobs:
-        if j.state in J.LIVE:
-            for u in j.gpus:
-                placer.claimed[u] = j.id
-    cancels: List[CancelJob] = []
-    waiting: Dict[int, Waiting] = {}
-    cands: List[Job] = []
-    wanted = {a for j in jobs if j.after_arrays and j.state in (J.QUEUED, J.HELD) for a in j.after_arrays}
-    arrays = _arrays(jobs, wanted) if wanted else {}
-    for j in jobs:
-        if j.state not in (J.QUEUED, J.HELD) or not (j.after or j.after_arrays):
-            if j.state == J.QUEUED:
-                cands.append(j)
-            continue
-        cancel, wait = _dependency(j, by_id, arrays)
-        if cancel is not None:
-            cancels.append(cancel)
-        elif wait is not None and j.state == J.QUEUED:
-            waiting[j.id] = wait
-        elif j.state == J.QUEUED:
-            cands.append(j)
+    for j in sorted_out.live:
+        for u in j.gpus:
+            placer.claimed[u] = j.id
+    cands, cancels, waiting = _dependencies(sorted_out, jobs, by_id)
     if drained:
         waiting.update((j.id, Waiting("drained")) for j in cands)
         cands = []
@@ -388,3 +378,60 @@ def place(
         claimed=dict(placer.claimed),
         next_wake=min(wakes) if wakes else None,
     )
+
+
+@dataclass
+class _Sorted:
+    """The jobs by what placement does with them, each list in submission order."""
+
+    live: List[Job] = field(default_factory=list)  # running or stopping
+    used: List[Job] = field(default_factory=list)  # not live, with GPU-seconds of runs that ended
+    free: List[Job] = field(default_factory=list)  # queued, waiting for no other job
+    dependent: List[Job] = field(default_factory=list)  # queued or held, --after other jobs
+    wanted: set = field(default_factory=set)  # the arrays that dependent jobs wait for
+
+
+def _sort(jobs: Sequence[Job]) -> _Sorted:
+    """One pass over every job."""
+    out = _Sorted()
+    waits = (J.QUEUED, J.HELD)
+    for j in jobs:
+        state = j.state
+        if state in waits:
+            if j.after or j.after_arrays:
+                out.dependent.append(j)
+                out.wanted.update(j.after_arrays)
+            elif state == J.QUEUED:
+                out.free.append(j)
+        elif state in J.LIVE:
+            out.live.append(j)
+            continue
+        if j.gpu_seconds:
+            out.used.append(j)
+    return out
+
+
+def _dependencies(
+    s: _Sorted, jobs: Sequence[Job], by_id: Dict[int, Job]
+) -> Tuple[List[Job], List[CancelJob], Dict[int, Waiting]]:
+    """The queued jobs that may start (the free ones, and those whose --after jobs are done), the jobs to
+    cancel (one they wait for failed), and why the others wait. Jobs waiting on the same jobs share one
+    verdict (a sweep of 10 000 behind one job is judged once)."""
+    arrays = _arrays(jobs, s.wanted) if s.wanted else {}
+    cands = list(s.free)
+    cancels: List[CancelJob] = []
+    waiting: Dict[int, Waiting] = {}
+    verdicts: Dict[tuple, Tuple[Optional[CancelJob], Optional[Waiting]]] = {}
+    for j in s.dependent:
+        key = (j.after, j.after_arrays)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = verdicts[key] = _dependency(j, by_id, arrays)
+        cancel, wait = verdict
+        if cancel is not None:
+            cancels.append(dataclasses.replace(cancel, job=j.id) if cancel.job != j.id else cancel)
+        elif wait is not None and j.state == J.QUEUED:
+            waiting[j.id] = wait
+        elif j.state == J.QUEUED:
+            cands.append(j)
+    return cands, cancels, waiting

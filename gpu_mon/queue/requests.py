@@ -73,8 +73,11 @@ class Requests:
         view: Callable[[], View],
         changed: Callable[[], None],
         checks_here: bool = True,
+        submitted: Optional[Callable[[], None]] = None,
     ):
         self.store, self.queue, self.view, self.changed = store, queue, view, changed
+        # A submit only adds a job to place (a placement soon, not a round at once): `changed` without one
+        self.submitted = submitted or changed
         # Whether a job sees the files the daemon sees (its own children): then a submit is checked here
         # too; a job in a unit of its own sees the user's (the daemon's sandbox hides homes and /tmp),
         # where the client, the user, has checked it.
@@ -140,7 +143,7 @@ class Requests:
                 job, ahead = self.store.submit(job, q.max_queued_per_user, limits)
         except Refused as err:
             raise Bad(str(err), 1) from None
-        self.changed()
+        self.submitted()
         if spec is not None:  # (its elements are encoded when a listing first shows them one by one)
             count = len(spec.indices)
             return {"id": job.id, "array_id": job.id, "elements": count, "state": job.state, "ahead": ahead}

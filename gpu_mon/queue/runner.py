@@ -107,7 +107,7 @@ class Queue:
             raise
         self.view = View()
         self.requests = Requests(
-            self.store, self.q, lambda: self.view, self._changed, checks_here=not self.systemd
+            self.store, self.q, lambda: self.view, self._changed, not self.systemd, self._submitted
         )
         self.server = Server(self.q.socket, self.requests)
         self.pruner = Pruner(self.store, lambda: self.q, wall)  # finished jobs, after keep_finished_days
@@ -120,6 +120,13 @@ class Queue:
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
         self.placed_on: tuple = ()
         self.placed_at = -1e9
+        # Submits the placement has not read yet (set from the server's thread); while place_pending, the
+        # loop knows (a placement is due: at once, or at placed_at + PLACE_GAP) and needs no wake.
+        self.unplaced = False
+        self.place_pending = False
+        self.closing = False  # gpu-mon stops: nothing is placed any more (submits want no round)
+        self._live_jobs: List[Job] = []  # (_live: the running and stopping jobs at _live_version)
+        self._live_version = -1
         self.force_place = False  # a job ended (its GPUs may take the next one at once)
         self.runs = Runs()  # what status, history and metrics hear of (report())
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
@@ -275,9 +282,30 @@ class Queue:
         self.dirty = True
         self.poke()
 
+    def _submitted(self) -> None:
+        """A submit (from the server's thread) only adds a job to place: a round places it at once, or
+        PLACE_GAP after the last placement (a burst of submits: one round for many, not one each). The
+        loop is woken once for them (to know the deadline); place_pending is read after the store took
+        the job, and a placement clears it before it reads the store: either way the job is placed."""
+        self.unplaced = True
+        if not self.place_pending:
+            self.place_pending = True
+            self.poke()
+
+    def _submits_due(self) -> Optional[float]:
+        """When the submits not placed yet are (None: there are none)."""
+        return self.placed_at + PLACE_GAP if self.unplaced and not self.closing else None
+
+    def wake_at(self) -> Optional[float]:
+        """When the queue wants its next round (a start delay, a time limit, a hook, submits to place)."""
+        due = [t for t in (self.next_wake, self._submits_due()) if t is not None]
+        return min(due) if due else None
+
     def wanted(self, now: float) -> bool:
-        """Whether the queue wants a round now (a request came, a start delay or time limit is over)."""
-        return self.dirty or (self.next_wake is not None and now >= self.next_wake)
+        """Whether the queue wants a round now (a request came, a start delay or time limit is over,
+        submits are to be placed)."""
+        wake = self.wake_at()
+        return self.dirty or (wake is not None and now >= wake)
 
     # ------------------------------------------------------------------ each round
 
@@ -337,16 +365,17 @@ class Queue:
         self.store.flush(now)  # (what a full disk kept from the database: it never stops the loop)
         self._ended(wall)
         if stopping:
+            self.closing = True
             return decision
         self._orphans_gone()
-        jobs = self.store.all()
         views = self._views(decision, uuids)
-        urgent = placement.stops(jobs, views, now, wall)  # the yield path first: only the running jobs
+        urgent = placement.stops(self._live(), views, now, wall)  # the yield path first
         self._preempt(urgent, index_of, now)
         self._time_up(urgent)
         self._reconcile(now)
         self._runs_seen()  # every end of this round is seen before a job starts again
-        due = self.next_wake is not None and now >= self.next_wake
+        wake = self.wake_at()
+        due = wake is not None and now >= wake
         inputs = (self.store.version, tuple(views))
         gpus_changed = not self.placed_on or inputs[1] != self.placed_on[1]
         force = self.force_place or due or self.plan is None or gpus_changed
@@ -354,9 +383,10 @@ class Queue:
             # Only requests changed the queue (a burst of submits): place again at most every PLACE_GAP.
             soon = self.placed_at + PLACE_GAP
             self.next_wake = soon if self.next_wake is None else min(soon, self.next_wake)
+            self.place_pending = True
             return _without_claimed(decision, self.plan.claimed, self._ref) if self.plan else decision
         if force or inputs != self.placed_on:
-            self.force_place = False
+            self.force_place = self.place_pending = self.unplaced = False
             known = self.store.all()
             drained = self.store.drained is not None
             self.plan = placement.place(known, views, self.q, self.delay, now, wall, drained)
@@ -408,6 +438,15 @@ class Queue:
             log.debug("stopping job %s before reading the rest of /proc", self._ref(p.job))
         self._preempt(urgent, index_of, now)
 
+    def _live(self) -> List[Job]:
+        """The running and stopping jobs, found again only when the store has changed (a long queue that
+        waits costs a round nothing)."""
+        version = self.store.version  # (read first: a change meanwhile makes the next call look again)
+        if version != self._live_version:
+            self._live_jobs = [j for j in self.store.all() if j.state in J.LIVE]
+            self._live_version = version
+        return self._live_jobs
+
     def _running(self) -> List[Job]:
         return [j for j in (self.store.get(i) for i in self._running_ids()) if j is not None]
 
@@ -456,7 +495,7 @@ class Queue:
     def _reconcile(self, now: float) -> None:
         """Jobs marked stopping (cancel, time limit, shutdown) whose workload has not been told yet."""
         gone = []
-        for job in self.store.all():
+        for job in self._live():
             if job.state != J.STOPPING:
                 continue
             w = self.supervisor.workloads.get(job_key(job.id))

@@ -52,7 +52,7 @@ class QueueTier(Tier):
         return poll
 
     def deadline(self) -> Optional[float]:
-        wake = self.queue.next_wake if self.queue is not None else None
+        wake = self.queue.wake_at() if self.queue is not None else None
         retry = next_try(self.retry)
         return min((t for t in (wake, retry) if t is not None), default=None)
 
