@@ -222,3 +222,27 @@ def test_a_database_written_before_the_preemption_fields_reads_back_and_keeps_ne
     assert store.get(second.id).stop_main_only is True  # type: ignore[union-attr]
     assert sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchone() == (2,)
     store.close()
+
+
+def test_the_indexes_nothing_reads_are_dropped_from_an_older_file_and_never_made(tmp_path):
+    """Every read is from memory: an index on jobs only slowed each row written. A file an older gpu-mon
+    made loses them at open and reads back whole; a new file never has them."""
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, 0.0)
+    kept, _ = store.submit(new_job(), 1000)
+    store.close()
+
+    def indexes() -> list:
+        with sqlite3.connect(path) as conn:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='jobs'")
+            return sorted(name for (name,) in rows if not name.startswith("sqlite_autoindex"))
+
+    assert indexes() == []
+    with sqlite3.connect(path) as conn:  # as schema 1 made them
+        conn.execute("CREATE INDEX jobs_by_state ON jobs (state)")
+        conn.execute("CREATE INDEX jobs_by_user_state ON jobs (user, state)")
+    assert indexes() == ["jobs_by_state", "jobs_by_user_state"]
+    store = Store.open(path, 0.0)
+    assert store.get(kept.id) == kept
+    store.close()
+    assert indexes() == []
