@@ -142,3 +142,22 @@ def test_the_bench_prints_its_table_beside_the_baseline() -> None:
     rows = {line[:34].strip(): line[34:].split() for line in r.stdout.splitlines()[2:]}
     assert rows["hooks running at once, at most"] == ["21", "2"], r.stdout
     assert set(rows) >= {"longest look of the loop", "until the other user's hook runs"}, r.stdout
+
+
+def test_a_job_that_came_and_ended_between_two_looks_is_notified_and_what_was_before_is_not() -> None:
+    """Notices compares each look with the last: a job submitted and cancelled in between (never seen
+    unended) still gets its hook, requeued, ended or not; only the first look's past is no news."""
+    import dataclasses
+
+    from gpu_mon.queue import jobs as J
+
+    old = dataclasses.replace(_notice(1, 1000, "true", "/").job, state=J.DONE, exit_status=0)
+    notices = hooks.Notices()
+    assert notices.changes([old], 1) == []  # ended before gpu-mon looked: not news
+    waiting = _notice(2, 1000, "true", "/").job
+    assert notices.changes([old, waiting], 2) == []
+    came_and_went = dataclasses.replace(_notice(3, 1000, "true", "/").job, state=J.CANCELLED)
+    ended = dataclasses.replace(waiting, state=J.CANCELLED)
+    said = notices.changes([old, ended, came_and_went], 3)
+    assert [(n.job.id, n.state) for n in said] == [(2, J.CANCELLED), (3, J.CANCELLED)]
+    assert notices.changes([old, ended, came_and_went], 4) == []  # each end once

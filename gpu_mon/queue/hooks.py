@@ -93,10 +93,9 @@ class Notices:
     """What to notify, found by comparing the jobs with those seen last (pure; one pass over the jobs)."""
 
     def __init__(self) -> None:
-        # The jobs seen last that had ended or restarted (a job not there, up to `top`, had neither: a
-        # queue of 50 000 waiting jobs is remembered in no space)
+        # The jobs seen last that had ended or restarted (a job not there had neither, or is new: a queue
+        # of 50 000 waiting jobs is remembered in no space)
         self.seen: Dict[int, Job] = {}
-        self.top = 0  # the highest job id seen last (ids only grow: one above is new)
         self.version = -1
 
     def changes(self, jobs: Iterable[Job], version: int) -> List[Notice]:
@@ -111,12 +110,9 @@ class Notices:
         counts: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         failure: Dict[int, Job] = {}  # array -> its first element that did not end done
         seen: Dict[int, Job] = {}
-        top = newest = self.top
         for j in jobs:
             if j.state in J.ENDED or j.restarts:
                 seen[j.id] = j
-            if j.id > newest:
-                newest = j.id
             if j.array_id:
                 if j.state in J.ENDED:
                     counts[j.array_id][j.state] += 1
@@ -124,7 +120,9 @@ class Notices:
                         failure[j.array_id] = j
                 else:
                     unfinished[j.array_id] += 1
-            event = None if first or j.id > top else _event(self.seen.get(j.id), j)
+            # (a job new since the last pass that has ended already, submitted and cancelled between two
+            # passes, say, is news too: only the first pass, what was there before gpu-mon, is not)
+            event = None if first else _event(self.seen.get(j.id), j)
             if event is None:
                 continue
             if j.array_id and not j.notify_each:
@@ -132,7 +130,7 @@ class Notices:
                     ended[j.array_id] = j
                 continue
             out.append(Notice(j, event, j.exit_status))
-        self.seen, self.top = seen, newest
+        self.seen = seen
         for array_id, last in ended.items():
             if unfinished[array_id]:
                 continue
