@@ -3,7 +3,3 @@
 Usable from Python by a plain user: no daemon, no root, no logging set-up, no signal handlers. It imports
 nothing from the daemon (gpu_mon.engine), the command line or the outputs; tests/test_layers.py checks.
 """
-
-import logging
-
-logging.getLogger("gpu_mon").addHandler(logging.NullHandler())  # a library stays quiet unless asked

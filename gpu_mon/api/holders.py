@@ -37,7 +37,6 @@ processes only (a pass over every signature costs a `stat` per process).
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import stat
@@ -46,9 +45,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from gpu_mon.api import procfs
+from gpu_mon.api.logger import logger
 from gpu_mon.api.model import Denied, Gpu, Holder
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 
 DevKey = Tuple[int, ...]  # (S_IFCHR, rdev) or (S_IFREG, st_dev, st_ino)
 _DENIED = "denied"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import os
 import time
 import types
@@ -13,9 +12,10 @@ from typing import Callable, Collection, Deque, Dict, Iterable, Mapping, Optiona
 
 from gpu_mon.api import holders, procfs
 from gpu_mon.api import ttys as sessions
+from gpu_mon.api.logger import logger
 from gpu_mon.api.model import GpuReading, Holder, Snapshot, TtyUser
 
-log = logging.getLogger(__name__)
+log = logger(__name__)
 # What the daemon tells a scan about its workloads: the session id of each (its leader's pid), and each
 # process of a transient unit that runs one, -> the UUIDs of the GPUs that workload was given.
 Given = Mapping[int, Collection[str]]

@@ -6,15 +6,14 @@ import contextlib
 import os
 import pwd
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 PROC = "/proc"
 
 
-@dataclass(frozen=True)
-class ProcStat:
-    """The fields of /proc/PID/stat that gpu_mon uses."""
+class ProcStat(NamedTuple):
+    """The fields of /proc/PID/stat that gpu_mon uses. (A NamedTuple, not a dataclass: the workload leader
+    reads them, and starts without loading dataclasses and inspect.)"""
 
     pid: int
     comm: str

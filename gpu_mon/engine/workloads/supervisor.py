@@ -641,9 +641,11 @@ def spawn_leader(label: str, stdout: int, stderr: int, pass_fds: Tuple[int, ...]
     """The leader process, in its own session, with nothing of ours but the fds it needs."""
     # argv[0] is the interpreter's real path, the label a trailing argument (for `ps`): Python finds its
     # standard library from argv[0], and with a bare name and the working directory / (systemd's) a
-    # pyenv or venv Python found /lib/python3.X, another build's, and the leader died at import.
+    # pyenv or venv Python found /lib/python3.X, another build's, and the leader died at import. -S: no
+    # site (the leader needs nothing from site-packages but our package, whose parent it puts on its path;
+    # a virtualenv's site and an editable install's import hook were half its start).
     return subprocess.Popen(
-        [sys.executable, "-I", "-c", _LEADER_CODE.format(_PACKAGE_PARENT), f"gpu-mon-leader[{label}]"],
+        [sys.executable, "-I", "-S", "-c", _LEADER_CODE.format(_PACKAGE_PARENT), f"gpu-mon-leader[{label}]"],
         stdin=subprocess.PIPE,
         stdout=stdout,
         stderr=stderr,
