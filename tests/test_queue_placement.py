@@ -16,6 +16,7 @@ from gpu_mon.queue.placement import (
     StartJob,
     TimeUp,
     Waiting,
+    later,
     never_fits,
     place,
     stops,
@@ -89,6 +90,25 @@ def test_a_job_in_its_start_delay_counts_as_starting_for_the_running_limit():
     running = job(3, state=J.RUNNING, gpus=(G0,), started=WALL)
     p = run([running, job(1), job(2)], (free(G0), free(G1, since=NOW)), delay=5.0, max_running_per_user=2)
     assert waiting(p.waiting[2], "alice", {}, WALL) == "waiting: alice has 1 running and 1 starting (limit 2)"
+
+
+def test_a_placement_carried_on_in_time_starts_what_placing_again_then_would():
+    # At a start delay's end the runner carries the placement on instead of placing every job again.
+    g2 = "GPU-2"
+    timed = job(4, state=J.RUNNING, gpus=(g2,), started=WALL - 1, time_limit=60.0)
+    jobs = [job(1), job(2, "bob"), job(3), timed]
+    gpus = (free(G0, since=NOW - 1), free(G1, since=NOW - 3), free(g2))
+    q = QueueSection(order="fifo")
+    then = place(jobs, gpus, q, 5.0, NOW, WALL)
+    assert then.starts == () and [(s.start.job, s.at) for s in then.soon] == [(1, NOW + 4), (2, NOW + 2)]
+    assert then.next_wake == NOW + 2
+    for t in (NOW + 1, NOW + 2, NOW + 3, NOW + 4, NOW + 59, NOW + 70):
+        carried, fresh = later(then, t), place(jobs, gpus, q, 5.0, t, WALL + (t - NOW))
+        assert carried.starts == fresh.starts
+        assert carried.waiting == fresh.waiting and carried.claimed == fresh.claimed
+        assert carried.next_wake == fresh.next_wake  # (the time limit's wake, once no start is left)
+    assert later(then, NOW + 2).starts == (StartJob(2, (G1,)),)
+    assert later(then, NOW + 4).next_wake == NOW + 59
 
 
 def test_fifo_runs_one_users_ten_jobs_before_anothers_one_and_fair_does_not():

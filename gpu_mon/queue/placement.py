@@ -47,6 +47,14 @@ class StartJob:
 
 
 @dataclass(frozen=True)
+class SoonJob:
+    """A start that waits only for the start delay: `start` at `at` (monotonic) if nothing changes."""
+
+    start: StartJob
+    at: float
+
+
+@dataclass(frozen=True)
 class PreemptJob:
     """Someone else uses one of the job's GPUs: stop it (urgently), back to the queue."""
 
@@ -110,6 +118,8 @@ class Placement:
     waiting: Dict[int, Waiting] = field(default_factory=dict)
     claimed: Dict[str, int] = field(default_factory=dict)  # GPU -> job that runs on it or will soon
     next_wake: Optional[float] = None
+    soon: Tuple[SoonJob, ...] = ()  # (next_wake counts them)
+    other_wakes: Tuple[float, ...] = ()  # the wakes that are not the soon starts' (time limits)
 
 
 @dataclass
@@ -241,7 +251,7 @@ class _Placer:
         self.by_id: Dict[int, Job] = {}  # (to name a claimant)
         self.starts: List[StartJob] = []
         self.preempt_workloads: List[PreemptWorkload] = []
-        self.wakes: List[float] = []
+        self.soon: List[SoonJob] = []
         self.waiting_before = 0
         self.open: Optional[List[GpuView]] = None  # GPUs still open to jobs in this round
 
@@ -293,11 +303,12 @@ class _Placer:
             self.users.starting[job.user] += 1
             return Waiting("taken_for", gpu=with_workload[0].uuid, by_workload=with_workload[0].workload)
         ready_at = max((g.free_since if g.free_since is not None else self.now) for g in chosen) + self.delay
+        start = StartJob(job.id, tuple(g.uuid for g in chosen))
         if ready_at > self.now:
-            self.wakes.append(ready_at)  # (monotonic, as the GPUs' free_since; the reason says wall-clock)
+            self.soon.append(SoonJob(start, ready_at))  # (monotonic, as free_since; the reason: wall-clock)
             self.users.starting[job.user] += 1
             return Waiting("start_delay", until=self.wall + (ready_at - self.now))
-        self.starts.append(StartJob(job.id, tuple(g.uuid for g in chosen)))
+        self.starts.append(start)
         return None
 
     def _why_not(self, job: Job) -> Waiting:
@@ -367,7 +378,7 @@ def place(
         wait = placer.place(j)
         if wait is not None:
             waiting[j.id] = wait
-    wakes = out["wakes"] + placer.wakes
+    wakes = out["wakes"] + [s.at for s in placer.soon]
     return Placement(
         starts=tuple(placer.starts),
         preempt_jobs=tuple(out["preempt"]),
@@ -377,6 +388,33 @@ def place(
         waiting=waiting,
         claimed=dict(placer.claimed),
         next_wake=min(wakes) if wakes else None,
+        soon=tuple(placer.soon),
+        other_wakes=tuple(out["wakes"]),
+    )
+
+
+def later(plan: Placement, now: float) -> Placement:
+    """The same placement at a later time, when nothing it was made from (the jobs, the GPUs) has changed:
+    the soon starts whose start delay is over start, in the order the placement chose them (each was told
+    it starts then; a re-placement could hand its GPU to another user's job whose fair share grew in the
+    meantime); nothing else it decided depends on the time. The cost of a start at the delay's end is then
+    that of the jobs starting, not of every job queued."""
+    due = [s for s in plan.soon if s.at <= now]
+    soon = tuple(s for s in plan.soon if s.at > now)
+    waiting = dict(plan.waiting)
+    for s in due:
+        waiting.pop(s.start.job, None)
+    wakes = [*(w for w in plan.other_wakes if w > now), *(s.at for s in soon)]
+    return dataclasses.replace(
+        plan,
+        starts=tuple(s.start for s in due),
+        preempt_jobs=(),
+        time_up=(),
+        cancels=(),
+        preempt_workloads=(),
+        waiting=waiting,
+        next_wake=min(wakes) if wakes else None,
+        soon=soon,
     )
 
 

@@ -120,6 +120,7 @@ class Queue:
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
         self.placed_on: tuple = ()
         self.placed_at = -1e9
+        self.placed_up_to = 0  # the newest job the placement has seen (View: newer ones are "not placed yet")
         # Submits the placement has not read yet (set from the server's thread); while place_pending, the
         # loop knows (a placement is due: at once, or at placed_at + PLACE_GAP) and needs no wake.
         self.unplaced = False
@@ -378,6 +379,12 @@ class Queue:
         due = wake is not None and now >= wake
         inputs = (self.store.version, tuple(views))
         gpus_changed = not self.placed_on or inputs[1] != self.placed_on[1]
+        carry = not (self.force_place or self.unplaced) and self.plan is not None and inputs == self.placed_on
+        if due and carry:
+            # Only time passed since the placement (a start delay is over, a hook to look at): carry it on.
+            self.plan = placement.later(self.plan, now)
+            self._place_done(self.plan, index_of, uuids, now, wall)
+            return self._after_place(urgent, now, decision)
         force = self.force_place or due or self.plan is None or gpus_changed
         if not force and inputs != self.placed_on and now < self.placed_at + PLACE_GAP:
             # Only requests changed the queue (a burst of submits): place again at most every PLACE_GAP.
@@ -392,12 +399,22 @@ class Queue:
             self.plan = placement.place(known, views, self.q, self.delay, now, wall, drained)
             self.placed_on = inputs
             self.placed_at = now
-            self._dependencies(self.plan, wall)
-            self._take_from_workloads(self.plan, index_of, now)
-            for s in self.plan.starts:
-                self._start(s, index_of, now, wall)
-            last = known[-1].id if known else 0
-            self.view = View(self.plan.waiting, dict(index_of), placed_up_to=last, gpus=len(uuids))
+            self.placed_up_to = known[-1].id if known else 0
+            self._place_done(self.plan, index_of, uuids, now, wall)
+        return self._after_place(urgent, now, decision)
+
+    def _place_done(
+        self, plan: placement.Placement, index_of: Dict[str, int], uuids: List[str], now: float, wall: float
+    ) -> None:
+        """Act on a placement: cancels for failed dependencies, workloads to stop, jobs to start."""
+        self._dependencies(plan, wall)
+        self._take_from_workloads(plan, index_of, now)
+        for s in plan.starts:
+            self._start(s, index_of, now, wall)
+        self.view = View(plan.waiting, dict(index_of), placed_up_to=self.placed_up_to, gpus=len(uuids))
+
+    def _after_place(self, urgent: placement.Placement, now: float, decision: Decision) -> Decision:
+        assert self.plan is not None
         wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
         self.next_wake = min(wakes) if wakes else None
         return _without_claimed(decision, self.plan.claimed, self._ref)
