@@ -4,8 +4,8 @@ completion of `cancel`, `hold`, `release` and `logs`.
 
 A TAB has to be answered at once (under 50 ms with 10 000 jobs queued: bench/completion.py), and the
 whole CLI takes 150-250 ms to import, so the `gpu-mon` executable (gpu_mon/entry.py) answers `_job-ids`
-before importing it, with the standard library's socket and json alone (not even typing). This module
-imports neither gpu_mon.cli nor gpu_mon.entry (gpu_mon.cli imports it).
+before importing it, with the standard library's socket and json alone (not even typing), through
+gpu_mon/quickclient.py. This module imports neither gpu_mon.cli nor gpu_mon.entry (gpu_mon.cli imports it).
 
 The daemon knows the user from the socket's peer credentials and sends that user's jobs in the states
 the command acts on only (the queue's `ids` request); the prefix is applied here, so that the shell gets
@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import struct
+
+from gpu_mon.quickclient import DEFAULT_CONFIG, DEFAULT_SOCKET, Failed, NotSent, exchange
 
 TYPE_CHECKING = False  # (typing alone takes 5-10 ms to import)
 if TYPE_CHECKING:
     from typing import Iterator, List, Optional, Sequence
 
 COMMAND = "_job-ids"
-DEFAULT_SOCKET = "/run/gpu_mon/queue.sock"  # = [queue] socket's default (a test checks)
-DEFAULT_CONFIG = "/etc/gpu_mon.conf"  # = gpu_mon.config.DEFAULT_PATH (a test checks)
 # The states whose jobs each command can act on (logs: every job); a test checks them against the queue's.
 WANTED = {
     "cancel": ("queued", "held", "running", "stopping"),
@@ -38,7 +36,6 @@ WANTED = {
     "release": ("held",),
 }
 _TIMEOUT = 2.0
-_HEADER = struct.Struct(">I")
 _MAX_ANSWER = 1 << 24
 
 
@@ -89,20 +86,9 @@ def _configured_socket(config: Optional[str]) -> Optional[str]:
 
 def _ask(path: str, req: dict) -> Optional[list]:
     """The ids the daemon answers on this socket; None when nothing (sensible) answers."""
-    body = json.dumps(req).encode()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(_TIMEOUT)
-            sock.connect(path)
-            sock.sendall(_HEADER.pack(len(body)) + body)
-            data = bytearray()
-            while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
-                chunk = sock.recv(1 << 16)
-                if not chunk or len(data) > _MAX_ANSWER:
-                    return None
-                data += chunk
-        answer = json.loads(bytes(data[_HEADER.size :]))
-        ids = answer.get("ids") if isinstance(answer, dict) and answer.get("ok") else None
-        return ids if isinstance(ids, list) else None
-    except (OSError, ValueError):
+        answer = json.loads(exchange(path, json.dumps(req).encode(), _TIMEOUT, _MAX_ANSWER))
+    except (NotSent, Failed, ValueError):
         return None
+    ids = answer.get("ids") if isinstance(answer, dict) and answer.get("ok") else None
+    return ids if isinstance(ids, list) else None

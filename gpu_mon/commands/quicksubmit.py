@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import sys
 
-try:  # the C module under `socket`: socket.py's enums take ~4 ms to build, a sixth of a quick submit
-    import _socket as socket
-except ImportError:  # (not CPython)
-    import socket  # type: ignore[no-redef]
+from gpu_mon.quickclient import DEFAULT_CONFIG, DEFAULT_SOCKET, Failed, NotSent, exchange
 
 TYPE_CHECKING = False  # (typing alone takes 5-10 ms to import)
 if TYPE_CHECKING:
@@ -48,22 +44,11 @@ SUBMIT_OPTIONS = {
     "--json": None,
     "--config": str,
 }
-DEFAULT_SOCKET = "/run/gpu_mon/queue.sock"  # = [queue] socket's default (a test checks)
-DEFAULT_CONFIG = "/etc/gpu_mon.conf"  # = gpu_mon.config.DEFAULT_PATH (a test checks)
 DEFAULT_OUTPUT = ".local/state/gpu-mon/jobs"  # = queue.protocol.DEFAULT_OUTPUT (a test checks)
 MAX_SPEC = 64 * 1024  # = queue.arrays.MAX_SPEC (a test checks)
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-_HEADER = struct.Struct(">I")
 _TIMEOUT = 30.0  # = queue.protocol.request's
 _MAX_ANSWER = 1 << 28
-
-
-class _Failed(Exception):
-    """After the request was sent: one line and an exit status, as the CLI reports them."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def submit(argv: Sequence[str]) -> Optional[int]:
@@ -83,9 +68,9 @@ def submit(argv: Sequence[str]) -> Optional[int]:
         if not answer.get("ok"):
             from gpu_mon.api.text import sanitize
 
-            raise _Failed(sanitize(str(answer.get("error", "refused"))), int(answer.get("code", 1)))
+            raise Failed(sanitize(str(answer.get("error", "refused"))), int(answer.get("code", 1)))
         _print(answer, "--json" in opts)
-    except _Failed as err:
+    except Failed as err:
         _stderr(f"gpu-mon: {err}")
         return err.code
     return 0
@@ -296,37 +281,20 @@ def _checked_as_me(req: dict) -> bool:
 
 
 def _ask(path: str, req: dict) -> Optional[dict]:
-    """The daemon's answer; None when nothing was sent (no daemon there); _Failed after that."""
+    """The daemon's answer; None when nothing was sent (no daemon there); Failed after that."""
     body = json.dumps(req, separators=(",", ":")).encode("utf-8")
     if len(body) > 1 << 20:
         return None  # (the CLI says it is too large)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(_TIMEOUT)
-        try:
-            sock.connect(path)
-        except OSError:
-            return None
-        sock.sendall(_HEADER.pack(len(body)) + body)
-        data = bytearray()
-        while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
-            if len(data) >= _HEADER.size and _HEADER.unpack_from(data)[0] > _MAX_ANSWER:
-                size = _HEADER.unpack_from(data)[0]
-                raise _Failed(f"frame too large ({size} bytes; at most {_MAX_ANSWER})", 2)
-            chunk = sock.recv(1 << 18)
-            if not chunk:
-                raise _Failed(f"the daemon on {path} closed the connection without an answer", 1)
-            data += chunk
-    except socket.timeout:
-        raise _Failed(f"the daemon on {path} did not answer within {_TIMEOUT:g} s", 1) from None
-    finally:
-        sock.close()
+        data = exchange(path, body, _TIMEOUT, _MAX_ANSWER)
+    except NotSent:
+        return None
     try:
-        answer = json.loads(bytes(data[_HEADER.size : _HEADER.size + _HEADER.unpack_from(data)[0]]))
+        answer = json.loads(data)
     except ValueError:
-        raise _Failed("not a JSON message", 2) from None
+        raise Failed("not a JSON message", 2) from None
     if not isinstance(answer, dict):
-        raise _Failed("not a JSON object", 2)
+        raise Failed("not a JSON object", 2)
     return answer
 
 
