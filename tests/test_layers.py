@@ -131,10 +131,11 @@ def test_a_broken_listener_is_skipped_and_logged_once(caplog):
 
 
 def test_the_leader_stays_light():
-    # The leader starts every workload: it must not drag in the daemon, the config or the outputs.
+    # The leader starts every workload (a job's start waits for it): it must not drag in the daemon, the
+    # config or the outputs, nor the standard library's heavy modules, and it starts without site (-S).
     code = "import sys, gpu_mon.engine.workloads.leader; print(' '.join(sorted(sys.modules)))"
     r = subprocess.run(
-        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); {code}"],
+        [sys.executable, "-I", "-S", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); {code}"],
         capture_output=True,
         text=True,
         check=True,
@@ -148,6 +149,7 @@ def test_the_leader_stays_light():
         "gpu_mon.engine.workloads.leader",
         "gpu_mon.engine.workloads.linux",
     ]
+    assert [m for m in ("logging", "dataclasses", "inspect", "ast", "site") if m in loaded] == []
 
 
 OUTSIDE = {  # an outside library -> the one module that imports it
@@ -176,7 +178,7 @@ def test_each_outside_library_lives_behind_one_module():
 PACKAGE = ROOT / "gpu_mon"
 # Bottom to top: a unit (a top-level package or module of gpu_mon) imports only units below it.
 LAYERS = (
-    ("gpu_mon.safefile", "gpu_mon.shellwords"),
+    ("gpu_mon.safefile", "gpu_mon.shellwords", "gpu_mon.quickclient"),
     ("gpu_mon.config",),
     ("gpu_mon.api",),
     ("gpu_mon",),  # the package itself: the library's public names (Sentinel, get_gpu_usage) and version
