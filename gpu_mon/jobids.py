@@ -4,8 +4,9 @@ completion of `cancel`, `hold`, `release` and `logs`.
 
 A TAB has to be answered at once (under 50 ms with 10 000 jobs queued: bench/completion.py), and the
 whole CLI takes 150-250 ms to import, so the `gpu-mon` executable (gpu_mon/entry.py) answers `_job-ids`
-before importing it, with the standard library's socket and json alone (not even typing), through
-gpu_mon/quickclient.py. This module imports neither gpu_mon.cli nor gpu_mon.entry (gpu_mon.cli imports it).
+before importing it, with the standard library's C socket and JSON functions alone (not even typing or
+json), through gpu_mon/quickclient.py. This module imports neither gpu_mon.cli nor gpu_mon.entry
+(gpu_mon.cli imports it).
 
 The daemon knows the user from the socket's peer credentials and sends that user's jobs in the states
 the command acts on only (the queue's `ids` request); the prefix is applied here, so that the shell gets
@@ -19,10 +20,9 @@ and exits 0: a completion never shows an error.
 
 from __future__ import annotations
 
-import json
 import os
 
-from gpu_mon.quickclient import DEFAULT_CONFIG, DEFAULT_SOCKET, Failed, NotSent, exchange
+from gpu_mon.quickclient import DEFAULT_CONFIG, DEFAULT_SOCKET, Failed, NotSent, dumps, exchange, loads
 
 TYPE_CHECKING = False  # (typing alone takes 5-10 ms to import)
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def _configured_socket(config: Optional[str]) -> Optional[str]:
 def _ask(path: str, req: dict) -> Optional[list]:
     """The ids the daemon answers on this socket; None when nothing (sensible) answers."""
     try:
-        answer = json.loads(exchange(path, json.dumps(req).encode(), _TIMEOUT, _MAX_ANSWER))
+        answer = loads(exchange(path, dumps(req), _TIMEOUT, _MAX_ANSWER))
     except (NotSent, Failed, ValueError):
         return None
     ids = answer.get("ids") if isinstance(answer, dict) and answer.get("ok") else None

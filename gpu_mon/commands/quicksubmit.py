@@ -1,6 +1,6 @@
 """`gpu-mon submit` as most submits are typed, answered before the whole CLI is imported (150-250 ms of
-imports against Slurm's 4 ms sbatch; issue 38 item 10): the standard library's os, json, socket and pwd
-alone, as `_job-ids` does (gpu_mon/jobids.py).
+imports against Slurm's 4 ms sbatch; issue 38 item 10): the standard library's os, pwd and the C socket
+and JSON functions alone (gpu_mon/quickclient.py; not json, which loads re), as `_job-ids` does.
 
 `submit(argv)` returns None whenever it is not sure to do exactly what the full CLI does, before anything
 is sent: then gpu_mon.cli parses the line again and answers it (its --help, usage errors and their "did
@@ -14,11 +14,10 @@ as `gpu-mon submit` prints it. Once the request is sent, a failure is reported h
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from gpu_mon.quickclient import DEFAULT_CONFIG, DEFAULT_SOCKET, Failed, NotSent, exchange
+from gpu_mon.quickclient import DEFAULT_CONFIG, DEFAULT_SOCKET, Failed, NotSent, dumps, exchange, loads
 
 TYPE_CHECKING = False  # (typing alone takes 5-10 ms to import)
 if TYPE_CHECKING:
@@ -282,7 +281,10 @@ def _checked_as_me(req: dict) -> bool:
 
 def _ask(path: str, req: dict) -> Optional[dict]:
     """The daemon's answer; None when nothing was sent (no daemon there); Failed after that."""
-    body = json.dumps(req, separators=(",", ":")).encode("utf-8")
+    try:
+        body = dumps(req)
+    except ValueError:
+        return None  # (a value the CLI's json writes and ours does not: the CLI sends it)
     if len(body) > 1 << 20:
         return None  # (the CLI says it is too large)
     try:
@@ -290,7 +292,7 @@ def _ask(path: str, req: dict) -> Optional[dict]:
     except NotSent:
         return None
     try:
-        answer = json.loads(data)
+        answer = loads(data)
     except ValueError:
         raise Failed("not a JSON message", 2) from None
     if not isinstance(answer, dict):
@@ -303,6 +305,8 @@ def _print(answer: dict, as_json: bool) -> None:
     elements = answer.get("elements")
     if as_json:
         keys = ("id", "state", "ahead", "array_id", "elements")
+        import json  # (only here: its import is a third of a quick submit's own time)
+
         line = json.dumps({k: answer[k] for k in keys if k in answer})
     elif elements is not None:
         line = f"job {answer['id']}: {elements} elements {answer['state']} ({answer['ahead']} ahead)"
