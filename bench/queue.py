@@ -15,8 +15,9 @@ and the placement goes over every one of them each time. Measured:
 - submit -> id, p50 and p99: over the first 200 submits (about 0 queued) and the last 1000 (--jobs queued);
 - `gpu-mon jobs` and `gpu-mon jobs --json`, the whole command as a user types it (Python's start, the
   request, the printing), median of 5 after one warm-up run; each command typed is the version's own
-  `gpu-mon` console script as pip writes it, on this Python in a virtualenv with nothing installed, the
-  version's code on PYTHONPATH (as installed: no editable install's import hook, no `python -m`);
+  `gpu-mon` as pip installs it (its bin/gpu-mon, or the console script pip writes for an older version's
+  entry point), on this Python in a virtualenv with nothing installed, the version's code on PYTHONPATH
+  (as installed: no editable install's import hook, no `python -m`);
 - a job's start after its GPU frees: from the foreign holder's close() of GPU 0's node to the job's first
   action (it opens a FIFO we wait on), less the start delay; also in rounds (interval_seconds);
 - `gpu-mon submit --hold -- true`, the whole command as a user types it (Python's start, the imports, the
@@ -142,23 +143,31 @@ bg = _sibling("background")
 
 
 def typed_gpu_mon(work: Path, code: Path) -> str:
-    """`gpu-mon` as pip installs it (its console script, for `code`'s entry point) on this Python in a
-    virtualenv of its own with nothing installed, `code` then on PYTHONPATH: the commands typed are timed
-    as an installed gpu-mon runs, not through this checkout's editable install, whose import hook alone
-    costs ~15 ms at every start, nor through `python -m` (runpy)."""
+    """`gpu-mon` as pip installs it, on this Python in a virtualenv of its own with nothing installed,
+    `code` then on PYTHONPATH: the version's own bin/gpu-mon with its first line made the virtualenv's
+    Python (as pip does), or, for a version with an entry point instead, the console script pip writes for
+    it. The commands typed are timed as an installed gpu-mon runs, not through this checkout's editable
+    install, whose import hook alone costs ~15 ms at every start, nor through `python -m` (runpy)."""
     venv = work / "bare-venv"
     if not venv.exists():
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    entry = re.search(r"^\s*gpu-mon\s*=\s*([\w.]+):(\w+)", (code / "setup.cfg").read_text(), re.M)
-    if entry is None:
-        raise SystemExit(f"{PROG}: {code}/setup.cfg names no gpu-mon console script")
     script = venv / "bin" / f"gpu-mon-{code.name}"
-    script.write_text(
-        f"#!{venv}/bin/python\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
-        f"from {entry.group(1)} import {entry.group(2)}\nif __name__ == '__main__':\n"
-        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
-        f"    sys.exit({entry.group(2)}())\n"
-    )
+    own = code / "bin" / "gpu-mon"
+    if own.exists():
+        first, rest = own.read_text().split("\n", 1)
+        if first != "#!python":
+            raise SystemExit(f"{PROG}: {own} does not begin with #!python")
+        script.write_text(f"#!{venv}/bin/python\n{rest}")
+    else:
+        entry = re.search(r"^\s*gpu-mon\s*=\s*([\w.]+):(\w+)", (code / "setup.cfg").read_text(), re.M)
+        if entry is None:
+            raise SystemExit(f"{PROG}: {code} has neither bin/gpu-mon nor a gpu-mon console script")
+        script.write_text(
+            f"#!{venv}/bin/python\n# -*- coding: utf-8 -*-\nimport re\nimport sys\n"
+            f"from {entry.group(1)} import {entry.group(2)}\nif __name__ == '__main__':\n"
+            "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+            f"    sys.exit({entry.group(2)}())\n"
+        )
     script.chmod(0o755)
     return str(script)
 
