@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
@@ -60,6 +61,38 @@ def test_a_submitted_job_is_on_disk_before_submit_returns(tmp_path):
         60.0,
         ("python3", "train.py"),
     )
+
+
+def test_a_start_is_committed_without_waiting_for_the_disk_and_outlives_a_crash(tmp_path):
+    # A start is on a job's path (one fsync took 280 ms on a VM's disk): synchronous=NORMAL for its
+    # commit alone; it is in the WAL (it outlives gpu-mon's SIGKILL), and every other write waits as before.
+    path = str(tmp_path / "q.sqlite")
+    code = (
+        "import os, sys\n"
+        "from gpu_mon.queue import jobs as J\n"
+        "from gpu_mon.queue.store import Store\n"
+        "from test_queue_store import new_job\n"
+        "store = Store.open(sys.argv[1], 0.0)\n"
+        "job, _ = store.submit(new_job(), 1000)\n"
+        "said = []\n"
+        "store.conn.set_trace_callback(said.append)\n"
+        "store.change(job.id, lambda j: J.started(j, ('GPU-1',), 5.0, 0, 0), durable=False)\n"
+        "store.conn.set_trace_callback(None)\n"
+        "print([s for s in said if s.startswith(('PRAGMA', 'COMMIT'))], flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=env)
+    assert r.returncode == -9, r.stderr
+    assert r.stdout.strip() == "['PRAGMA synchronous=NORMAL', 'COMMIT', 'PRAGMA synchronous=FULL']"
+    again = Store.open(path, 0.0)
+    assert (again.get(1).state, again.get(1).gpus) == (J.RUNNING, ("GPU-1",))
+    said = []
+    again.conn.set_trace_callback(said.append)
+    again.change(1, lambda j: dataclasses.replace(j, state=J.DONE, ended=9.0))
+    again.submit(new_job(), 1000)
+    assert [s for s in said if s.startswith("PRAGMA")] == []  # (an end, a submit: on disk, as before)
+    assert again.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
 
 
 def test_ids_grow_and_ahead_counts_the_queued_ones(tmp_path):

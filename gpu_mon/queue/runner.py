@@ -556,8 +556,8 @@ class Queue:
             log.info("queue: %s; stopping %s[%d]", why, w.label, w.pid)
 
     def _start(self, s: placement.StartJob, index_of: Dict[str, int], now: float, wall: float) -> None:
-        job = self.store.change(
-            s.job, lambda j: J.started(j, s.gpus, wall, 0, 0) if j.state == J.QUEUED else None
+        job = self.store.change(  # (not waiting for the disk: store.py says why that is safe)
+            s.job, lambda j: J.started(j, s.gpus, wall, 0, 0) if j.state == J.QUEUED else None, durable=False
         )
         if job is None:
             return  # held or cancelled since it was placed
@@ -581,7 +581,9 @@ class Queue:
             return
         stat = read_stat(w.pid)
         ticks = stat.start_ticks if stat else 0
-        self.store.change(job.id, lambda j: dataclasses.replace(j, leader_pid=w.pid, leader_ticks=ticks))
+        self.store.change(
+            job.id, lambda j: dataclasses.replace(j, leader_pid=w.pid, leader_ticks=ticks), durable=False
+        )
         self._say(
             "queue: starting job %s[%d] of %s on %s (restart %d): %s",
             J.ref(job),

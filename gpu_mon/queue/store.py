@@ -15,6 +15,12 @@ What one user may keep is bounded (`Limits`): jobs, finished ones included, and 
 submit over either removes that user's oldest finished jobs first, and is refused when that is not enough.
 A write that fails (a full disk) refuses a submit, but a change of a job's state is kept in memory and
 written with the next write that works (`flush`): the daemon goes on with what it knows.
+
+A job's start (`durable=False`) is committed without waiting for the disk (synchronous=NORMAL: in the
+WAL, which outlives gpu-mon's crash but not the machine's): it is on the start's path, where one fsync
+took 280 ms on a VM's shared disk, and a start lost with the machine changes nothing (its processes are
+gone too: the job runs again, as a requeued one would). The next durable commit (an end, a submit) puts
+it on disk first, so a job's end is never on disk without its start.
 """
 
 from __future__ import annotations
@@ -284,8 +290,10 @@ class Store:
 
     # ------------------------------------------------------------------ writes (committed before they return)
 
-    def _transaction(self, work: Callable[[], object]) -> object:
-        """`work` in one transaction: committed, or rolled back and raised."""
+    def _transaction(self, work: Callable[[], object], durable: bool = True) -> object:
+        """`work` in one transaction: committed (on disk when `durable`), or rolled back and raised."""
+        if not durable:
+            self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.execute("BEGIN IMMEDIATE")
         try:
             out = work()
@@ -295,6 +303,9 @@ class Store:
                 with contextlib.suppress(historydb.Error):  # (sqlite rolls back itself on some errors)
                     self.conn.execute("ROLLBACK")
             raise
+        finally:
+            if not durable:
+                self.conn.execute("PRAGMA synchronous=FULL")
         return out
 
     def _cannot_store(self, err: BaseException) -> Refused:
@@ -519,12 +530,17 @@ class Store:
                 self._delete(old)
                 removed += len(old)
 
-    def change(self, job_id: int, edit: Callable[[Job], Optional[Job]]) -> Optional[Job]:
+    def change(
+        self, job_id: int, edit: Callable[[Job], Optional[Job]], durable: bool = True
+    ) -> Optional[Job]:
         """Apply `edit` to the job as it is now and write the result; None when there is no such job or
-        `edit` changes nothing (returns None or the job itself). An exception from `edit` writes nothing."""
-        return self.change_many([(job_id, edit)])[0]
+        `edit` changes nothing (returns None or the job itself). An exception from `edit` writes nothing.
+        `durable=False`: a start's, not waiting for the disk (see the module's text)."""
+        return self.change_many([(job_id, edit)], durable)[0]
 
-    def change_many(self, edits: Iterable[Tuple[int, Callable[[Job], Optional[Job]]]]) -> List[Optional[Job]]:
+    def change_many(
+        self, edits: Iterable[Tuple[int, Callable[[Job], Optional[Job]]]], durable: bool = True
+    ) -> List[Optional[Job]]:
         """Several `change`s in one transaction (each edit sees the job as it is now, so a change made by
         another thread in between is never overwritten with an old copy). A write that fails (a full
         disk) does not undo them: they are kept in memory and written with the next write that works."""
@@ -546,7 +562,7 @@ class Store:
                 self._tally(j, 1)
                 self._weigh(j, len(text), 1)
                 self.unwritten[j.id] = text
-            self._flush()
+            self._flush(durable)
             self.version += 1
             return out
 
@@ -557,7 +573,7 @@ class Store:
                 self._retry_at = now + RETRY_SECONDS
                 self._flush()
 
-    def _flush(self) -> bool:
+    def _flush(self, durable: bool = True) -> bool:
         """Write every change not on disk yet; whether that worked (one log line when writes start to
         fail, one when they work again)."""
         if not self.unwritten:
@@ -568,7 +584,8 @@ class Store:
                 lambda: self.conn.executemany(
                     "UPDATE jobs SET state = ?, ended = ?, data = ? WHERE id = ?",
                     [(j.state, j.ended, text, j.id) for j, text in pending],
-                )
+                ),
+                durable,
             )
         except (historydb.Error, OSError) as err:
             if self.failing is None:
