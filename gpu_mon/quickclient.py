@@ -169,12 +169,9 @@ def _object(s: str, i: int) -> tuple:
         if s[i] != ":":
             raise ValueError(f"':' expected at {i}")
         out[key], i = _value(s, _skip(s, i + 1))
-        i = _skip(s, i)
-        if s[i] == "}":
-            return out, i + 1
-        if s[i] != ",":
-            raise ValueError(f"',' expected at {i}")
-        i = _skip(s, i + 1)
+        done, i = _after_item(s, i, "}")
+        if done:
+            return out, i
 
 
 def _array(s: str, i: int) -> tuple:
@@ -184,9 +181,16 @@ def _array(s: str, i: int) -> tuple:
     while True:
         item, i = _value(s, i)
         out.append(item)
-        i = _skip(s, i)
-        if s[i] == "]":
-            return out, i + 1
-        if s[i] != ",":
-            raise ValueError(f"',' expected at {i}")
-        i = _skip(s, i + 1)
+        done, i = _after_item(s, i, "]")
+        if done:
+            return out, i
+
+
+def _after_item(s: str, i: int, close: str) -> tuple:
+    """(True, past `close`) at the end of an object or array, else (False, at its next item)."""
+    i = _skip(s, i)
+    if s[i] == close:
+        return True, i + 1
+    if s[i] != ",":
+        raise ValueError(f"',' expected at {i}")
+    return False, _skip(s, i + 1)
