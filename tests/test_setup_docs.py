@@ -148,6 +148,7 @@ def test_the_queue_try_it_runs_as_written_for_a_second_user(newbie, daemon_facto
     wheels.mkdir()
     offline_wheels(wheels)
     shutil.copytree(ROOT / "gpu_mon", checkout / "gpu_mon", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "bin", checkout / "bin")  # (the gpu-mon executable setup.cfg installs)
     for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, checkout / name)
     d = daemon_factory(
