@@ -6,7 +6,7 @@ A TAB has to be answered at once (under 50 ms with 10 000 jobs queued: bench/com
 whole CLI takes 150-250 ms to import, so the `gpu-mon` executable (gpu_mon/entry.py) answers `_job-ids`
 before importing it, with the standard library's C socket and JSON functions alone (not even typing or
 json), through gpu_mon/quickclient.py. This module imports neither gpu_mon.cli nor gpu_mon.entry
-(gpu_mon.cli imports it).
+(entry.py imports it: the layers in tests/test_layers.py).
 
 The daemon knows the user from the socket's peer credentials and sends that user's jobs in the states
 the command acts on only (the queue's `ids` request); the prefix is applied here, so that the shell gets
@@ -28,7 +28,6 @@ TYPE_CHECKING = False  # (typing alone takes 5-10 ms to import)
 if TYPE_CHECKING:
     from typing import Iterator, List, Optional, Sequence
 
-COMMAND = "_job-ids"
 # The states whose jobs each command can act on (logs: every job); a test checks them against the queue's.
 WANTED = {
     "cancel": ("queued", "held", "running", "stopping"),

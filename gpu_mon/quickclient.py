@@ -128,7 +128,10 @@ def loads(data: bytes) -> object:
     except (ValueError, IndexError, RecursionError):
         import json
 
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise ValueError("JSON nested too deep") from None
 
 
 def _skip(s: str, i: int) -> int:
@@ -152,9 +155,19 @@ def _value(s: str, i: int) -> tuple:
     while j < len(s) and s[j] in _NUMBER:
         j += 1
     number = s[i:j]
-    if not number or number[0] == "+":
+    if not _json_number(number):
         raise ValueError(f"not JSON at {i}")
     return (float(number) if any(c in "eE." for c in number) else int(number)), j
+
+
+def _json_number(text: str) -> bool:
+    """JSON's grammar: -?(0|[1-9]digits)(.digits)?([eE][+-]?digits)?"""
+    body = text[1:] if text.startswith("-") else text
+    mantissa, e, exponent = body.replace("E", "e").partition("e")
+    whole, dot, part = mantissa.partition(".")
+    exponent = exponent[1:] if exponent[:1] in ("+", "-") else exponent
+    digits = [whole, *([part] if dot else []), *([exponent] if e else [])]
+    return all(d.isdigit() for d in digits) and (whole == "0" or whole[:1] != "0")
 
 
 def _object(s: str, i: int) -> tuple:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import os
 import subprocess
@@ -17,11 +18,11 @@ import pytest
 from conftest import wait_for
 from test_queue import JOB, PY, Lab, User, made_lab, queue_body
 
-from gpu_mon import config, jobids
+from gpu_mon import config, jobids, quickclient
 from gpu_mon.commands import quicksubmit
 from gpu_mon.queue import arrays, protocol
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 ROOT = Path(__file__).resolve().parent.parent
 # The full CLI, as `gpu-mon` was before the quick path
 FULL = "import sys; from gpu_mon.cli import console_main; sys.argv[0] = 'gpu-mon'; console_main()"
@@ -121,6 +122,7 @@ def both_ways(lab, daemon_factory):
     return lambda args: (_run(lab, lab.alice, args, full=False), _run(lab, lab.alice, args, full=True))
 
 
+@AS_ROOT
 def test_a_common_submit_skips_the_cli_and_queues_and_prints_what_the_cli_does(lab, both_ways):
     for args in SUBMITS:
         quick, full = both_ways(args)
@@ -138,6 +140,7 @@ def test_a_common_submit_skips_the_cli_and_queues_and_prints_what_the_cli_does(l
             assert _stored(lab, lab.alice, a_id) == _stored(lab, lab.alice, b_id), args
 
 
+@AS_ROOT
 def test_every_mistake_gets_the_clis_own_answer_byte_for_byte(lab, both_ways):
     for args in MISTAKES:
         quick, full = both_ways(args)
@@ -165,6 +168,9 @@ def test_the_quick_paths_table_and_constants_are_the_clis():
     assert quicksubmit.DEFAULT_CONFIG == config.DEFAULT_PATH
     assert quicksubmit.DEFAULT_OUTPUT == protocol.DEFAULT_OUTPUT
     assert quicksubmit.MAX_SPEC == arrays.MAX_SPEC
+    assert quicksubmit._MAX_ANSWER == protocol.MAX_ANSWER and quicksubmit._MAX_REQUEST == protocol.MAX_FRAME
+    assert inspect.signature(protocol.request).parameters["timeout"].default == quicksubmit._TIMEOUT
+    assert quickclient.HEADER.format == protocol._HEADER.format
 
 
 def test_the_quick_request_says_it_was_checked_as_the_user_as_the_clis_does():
@@ -176,8 +182,26 @@ def test_the_quick_request_says_it_was_checked_as_the_user_as_the_clis_does():
 
 
 def test_jobids_imports_neither_the_cli_nor_the_entry():
-    """gpu_mon.cli imports gpu_mon.jobids: jobids importing cli (even inside a function) is a circle."""
+    """gpu_mon.entry imports gpu_mon.jobids, and jobids sits below the CLI: importing either (even inside a
+    function) would load what a TAB cannot wait for, or make a circle."""
     tree = ast.parse(Path(jobids.__file__).read_text())
     named = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not named & {"gpu_mon.cli", "gpu_mon.entry"}, named
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[queue]\n  socket = /tmp/a.sock\n",  # (indented: the config's reader takes it as a key)
+        "[queue]\nsocket = /tmp/a.sock\n[queue]\n",  # (twice: the CLI's error)
+        "[queue]\nallowed_users = a\n  b\n",  # (a continued value)
+    ],
+)
+def test_a_config_the_quick_scan_may_read_otherwise_goes_to_the_cli(tmp_path, text):
+    conf = tmp_path / "gpu_mon.conf"
+    conf.write_text(text)
+    conf.chmod(0o644)
+    assert quicksubmit._socket(str(conf)) is None
+    conf.write_text("[queue]\nsocket = /tmp/a.sock\n")
+    assert quicksubmit._socket(str(conf)) == "/tmp/a.sock"

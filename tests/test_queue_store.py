@@ -95,6 +95,25 @@ def test_a_start_is_committed_without_waiting_for_the_disk_and_outlives_a_crash(
     assert again.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
 
 
+def test_a_start_that_cannot_be_written_leaves_every_later_write_durable(tmp_path):
+    path = str(tmp_path / "q.sqlite")
+    store = Store.open(path, 0.0)
+    job, _ = store.submit(new_job(), 1000)
+    store.conn.execute("PRAGMA busy_timeout=100")
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # (another writer holds the file: the start's BEGIN fails)
+    started = store.change(job.id, lambda j: J.started(j, ("GPU-1",), 5.0, 0, 0), durable=False)
+    assert started is not None and store.unwritten  # (kept in memory, written with the next write)
+    assert store.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
+    other.execute("ROLLBACK")
+    said = []
+    store.conn.set_trace_callback(said.append)
+    store.submit(new_job(), 1000)
+    store.flush(1e9)  # (the loop's next round writes what waited)
+    assert "PRAGMA synchronous=NORMAL" not in said and not store.unwritten
+    assert Store.open(path, 0.0).get(job.id).state == J.RUNNING
+
+
 def test_ids_grow_and_ahead_counts_the_queued_ones(tmp_path):
     store = Store.open(str(tmp_path / "q.sqlite"), 0.0)
     ids = [store.submit(new_job(), 1000)[0].id for _ in range(3)]

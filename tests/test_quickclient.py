@@ -77,6 +77,14 @@ def test_random_values_round_trip_as_json_does():
         b'{"a" 1}',
         b'{"a":1,}',
         b"01x",
+        b"01",
+        b"-01",
+        b"1.",
+        b".5",
+        b"1e",
+        b"1e+",
+        b"--1",
+        b"1.5e3.2",
         b"+1",
         b"-",
         b"1.2.3",
@@ -97,6 +105,8 @@ def test_what_only_json_reads_is_read_by_json_and_what_it_cannot_write_is_refuse
     assert quickclient.loads(b'{"a": NaN}')["a"] != quickclient.loads(b'{"a": NaN}')["a"]  # (NaN: by json)
     deep = b"[" * 600 + b"]" * 600  # (deeper than the reader here goes: json reads it)
     assert quickclient.loads(deep) == json.loads(deep)
+    with pytest.raises(ValueError):  # (deeper than json goes: a ValueError, as every refusal)
+        quickclient.loads(b"[" * 100000 + b"]" * 100000)
     for value in (float("nan"), float("inf"), {1: "a"}, {"a": object()}, b"bytes"):
         with pytest.raises(ValueError):
             quickclient.dumps(value)

@@ -315,3 +315,13 @@ def test_a_stop_signal_sent_before_the_command_started_reaches_it():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()
+
+
+@pytest.mark.parametrize("value", ["²", "٣", "𝟗", " ¹5 "])
+def test_a_stop_signal_in_digits_other_than_ascii_is_refused_in_one_line(value):
+    # (str.isdigit takes them and int() raised on some: with a checked submit, a traceback in the
+    # daemon's log for every such request, one user's way to flood the journal)
+    from gpu_mon.queue import fields
+
+    with pytest.raises(fields.Bad, match="not a signal name"):
+        fields.stop_signal(value)

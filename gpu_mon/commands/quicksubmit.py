@@ -46,32 +46,51 @@ SUBMIT_OPTIONS = {
 DEFAULT_OUTPUT = ".local/state/gpu-mon/jobs"  # = queue.protocol.DEFAULT_OUTPUT (a test checks)
 MAX_SPEC = 64 * 1024  # = queue.arrays.MAX_SPEC (a test checks)
 _UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-_TIMEOUT = 30.0  # = queue.protocol.request's
-_MAX_ANSWER = 1 << 28
+_TIMEOUT = 30.0  # = queue.protocol.request's (a test checks)
+_MAX_ANSWER = 1 << 28  # = queue.protocol.MAX_ANSWER (a test checks)
+_MAX_REQUEST = 1 << 20  # = queue.protocol.MAX_FRAME (a test checks)
 
 
 def submit(argv: Sequence[str]) -> Optional[int]:
-    """`gpu-mon ARGV` when it is a common submit: its exit status; None for the full CLI."""
-    parsed = _parse(argv)
-    if parsed is None:
-        return None
-    opts, command = parsed
-    socket_path = _socket(opts.get("--config") or os.environ.get("GPU_MON_CONFIG") or None)
-    req = _request(opts, command) if socket_path else None
-    if req is None or not _checked_as_me(req):
-        return None
+    """`gpu-mon ARGV` when it is a common submit: its exit status; None for the full CLI. As the CLI:
+    Ctrl-C exits 130, a closed stdout 0, anything else after the request was sent is one line."""
     try:
-        answer = _ask(socket_path, req)  # type: ignore[arg-type]
+        parsed = _parse(argv)
+        if parsed is None:
+            return None
+        opts, command = parsed
+        socket_path = _socket(opts.get("--config") or os.environ.get("GPU_MON_CONFIG") or None)
+        req = _request(opts, command) if socket_path else None
+        if req is None or not _checked_as_me(req):
+            return None
+    except OSError:
+        return None  # (a working directory gone, ...: nothing was sent; the CLI says what)
+    except KeyboardInterrupt:
+        return 130
+    try:
+        return _sent(socket_path, req, "--json" in opts)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def _sent(socket_path: str, req: dict, as_json: bool) -> Optional[int]:
+    try:
+        answer = _ask(socket_path, req)
         if answer is None:
             return None  # (nothing was sent: no daemon there; the CLI says so)
         if not answer.get("ok"):
             from gpu_mon.api.text import sanitize
 
             raise Failed(sanitize(str(answer.get("error", "refused"))), int(answer.get("code", 1)))
-        _print(answer, "--json" in opts)
+        _print(answer, as_json)
     except Failed as err:
         _stderr(f"gpu-mon: {err}")
         return err.code
+    except (ValueError, TypeError, OSError) as err:  # (an answer not as the daemon writes it)
+        _stderr(f"gpu-mon: error: {type(err).__name__}: {err}")
+        return 1
     return 0
 
 
@@ -244,11 +263,13 @@ def _scan(path: str) -> Optional[Tuple[bool, Optional[str]]]:
         if not (line.isprintable() or line.replace("\t", " ").isprintable()):
             return None
         if line[0] in " \t":
-            if section == "queue" and last == "socket":
-                return None  # (a value continued on the next line)
+            if section == "queue":
+                return None  # (a value continued, or a key the config's reader takes as one: the CLI)
             continue
         if stripped.startswith("["):
             section, last = (stripped[1:-1].strip() if stripped.endswith("]") else None), None
+            if section == "queue" and queue:
+                return None  # (twice in one file: the CLI's error)
             queue = queue or section == "queue"
             continue
         cut = [i for i in (stripped.find("="), stripped.find(":")) if i > 0]
@@ -285,7 +306,7 @@ def _ask(path: str, req: dict) -> Optional[dict]:
         body = dumps(req)
     except ValueError:
         return None  # (a value the CLI's json writes and ours does not: the CLI sends it)
-    if len(body) > 1 << 20:
+    if len(body) > _MAX_REQUEST:
         return None  # (the CLI says it is too large)
     try:
         data = exchange(path, body, _TIMEOUT, _MAX_ANSWER)

@@ -134,7 +134,7 @@ def stop_signal(value: object) -> int:
     Any other would reach the job's leader too (it is in the job's process group): one whose default
     action kills (SIGSEGV, SIGRTMIN+2, ...) took it down, and the job lost its grace."""
     allowed = {int(getattr(signal, name)): name for name in STOP_SIGNALS if hasattr(signal, name)}
-    if isinstance(value, str) and value.strip().isdigit() and len(value) < 20:
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit() and len(value) < 20:
         value = int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value in allowed:
         return value

@@ -401,7 +401,7 @@ def later(plan: Placement, now: float) -> Placement:
     that of the jobs starting, not of every job queued."""
     due = [s for s in plan.soon if s.at <= now]
     soon = tuple(s for s in plan.soon if s.at > now)
-    waiting = dict(plan.waiting)
+    waiting = dict(plan.waiting) if due else plan.waiting  # (a hook's look: nothing to copy)
     for s in due:
         waiting.pop(s.start.job, None)
     wakes = [*(w for w in plan.other_wakes if w > now), *(s.at for s in soon)]

@@ -383,7 +383,8 @@ class Queue:
         if due and carry:
             # Only time passed since the placement (a start delay is over, a hook to look at): carry it on.
             self.plan = placement.later(self.plan, now)
-            self._place_done(self.plan, index_of, uuids, now, wall)
+            if self.plan.starts:
+                self._place_done(self.plan, index_of, uuids, now, wall)
             return self._after_place(urgent, now, decision)
         force = self.force_place or due or self.plan is None or gpus_changed
         if not force and inputs != self.placed_on and now < self.placed_at + PLACE_GAP:

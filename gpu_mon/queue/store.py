@@ -66,6 +66,9 @@ _SCHEMA_V2 = "CREATE TABLE arrays (id INTEGER PRIMARY KEY, data TEXT NOT NULL);"
 CACHE_KIB = 200
 
 
+SYNCHRONOUS = "FULL"  # every write on disk before it returns (but a start's: _transaction)
+
+
 class NotOurs(Exception):
     """The file is not a usable gpu-mon queue; str() says how."""
 
@@ -99,7 +102,7 @@ def _connect(path: str):
     """Open (creating, root's alone: it holds the jobs' environments) and check the file; NotOurs when it is
     damaged, foreign or newer."""
     try:
-        conn = historydb.open_own(path, APPLICATION_ID, "queue", 0o600, "FULL")
+        conn = historydb.open_own(path, APPLICATION_ID, "queue", 0o600, SYNCHRONOUS)
     except historydb.NotOurs as err:
         raise NotOurs(str(err)) from None
     try:
@@ -172,6 +175,7 @@ class Store:
         self.lock = threading.Lock()
         self.jobs: Dict[int, Job] = {}
         self.version = 0  # raised on every change (the daemon re-places jobs when it moves)
+        self._not_durable = False  # the connection was left at synchronous=NORMAL (_transaction)
         # Kept as jobs change, so that a submit never counts through a long queue: unfinished jobs per
         # user, queued jobs, each user's jobs and their rows' bytes.
         self._unfinished: Dict[str, int] = {}
@@ -292,10 +296,23 @@ class Store:
 
     def _transaction(self, work: Callable[[], object], durable: bool = True) -> object:
         """`work` in one transaction: committed (on disk when `durable`), or rolled back and raised."""
-        if not durable:
-            self.conn.execute("PRAGMA synchronous=NORMAL")
-        self.conn.execute("BEGIN IMMEDIATE")
+        if durable:
+            if self._not_durable:  # (a reset that failed: never a durable write that is not)
+                self.conn.execute(f"PRAGMA synchronous={SYNCHRONOUS}")
+                self._not_durable = False
+            return self._committed(work)
+        self._not_durable = True
+        self.conn.execute("PRAGMA synchronous=NORMAL")
         try:
+            return self._committed(work)
+        finally:  # (outside any transaction here: _committed rolled back what failed)
+            with contextlib.suppress(historydb.Error):
+                self.conn.execute(f"PRAGMA synchronous={SYNCHRONOUS}")
+                self._not_durable = False
+
+    def _committed(self, work: Callable[[], object]) -> object:
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
             out = work()
             self.conn.execute("COMMIT")
         except BaseException:
@@ -303,9 +320,6 @@ class Store:
                 with contextlib.suppress(historydb.Error):  # (sqlite rolls back itself on some errors)
                     self.conn.execute("ROLLBACK")
             raise
-        finally:
-            if not durable:
-                self.conn.execute("PRAGMA synchronous=FULL")
         return out
 
     def _cannot_store(self, err: BaseException) -> Refused:

@@ -19,7 +19,6 @@ from gpu_mon.queue import checkscript
 from gpu_mon.queue.fields import Bad
 
 _TIMEOUT = checkscript.TIMEOUT
-output_dir = checkscript.output_dir
 
 
 def check(
