@@ -148,6 +148,7 @@ def test_the_leader_stays_light():
         "gpu_mon.engine.workloads.ends",
         "gpu_mon.engine.workloads.leader",
         "gpu_mon.engine.workloads.linux",
+        "gpu_mon.engine.workloads.unguarded",  # (the guard it arms as the daemon dies: subprocess only)
     ]
     assert [m for m in ("logging", "dataclasses", "inspect", "ast", "site") if m in loaded] == []
 

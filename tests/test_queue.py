@@ -404,7 +404,7 @@ def test_a_daemon_killed_with_a_job_running_requeues_it_and_never_runs_it_twice(
     d.proc.wait(10)
     log_before = d.log()
     d.start()  # the same config, the same database
-    d.wait_log(r"queue: job 1(: the processes an earlier| was running when gpu-mon stopped)")
+    d.wait_log(r"queue: job 1(: the processes an earlier|: gpu-mon stopped while it ran)")
     second = wait_for(
         lambda: [e for e in lab.reports(lab.alice, running) if e["event"] == "start"][1:],
         30,

@@ -361,7 +361,7 @@ def test_a_daemon_killed_mid_array_restarts_with_every_element_right_and_a_reloa
     d.signal(signal.SIGKILL)
     d.proc.wait(10)
     d.start()
-    d.wait_log(rf"queue: job {arr}_0(: the processes an earlier| was running when gpu-mon stopped)")
+    d.wait_log(rf"queue: job {arr}_0(: the processes an earlier|: gpu-mon stopped while it ran)")
     jobs = wait_for(
         lambda: (j := _elements(lab, ann))[f"{arr}_0"]["state"] == "running" and j, 30, "element 0 again"
     )

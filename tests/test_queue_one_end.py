@@ -78,7 +78,13 @@ def test_a_job_that_ended_while_gpu_mon_was_stopped_is_recorded_with_its_end_and
     after = lab.submit(user, "--", "true")
     lab.wait_state(user, after, "done")
     assert _lines(runs) == ["run"]
-    assert not list(Path(d.state_path).parent.glob("gpu-mon-job-*.end*"))  # (taken, removed)
+    assert not list(lab.database.parent.glob("gpu-mon-job-*.end*"))  # (taken, removed)
+    # kept beside the database, never in the runtime directory (systemd deletes that with gpu-mon's unit)
+    assert not list(Path(d.state_path).parent.glob("gpu-mon-job-*.end*"))
+    said = (user.home / ".local/state/gpu-mon/jobs/1.log").read_text()
+    assert "gpu-mon: job 1 exited with status 3 at " in said and "while gpu-mon was away: failed" in said, (
+        said
+    )
 
 
 def test_the_issues_reproduction_done_with_status_0_after_the_restart(lab, daemon_factory):
@@ -132,3 +138,29 @@ def test_the_end_record_is_roots_and_whole_or_not_taken(tmp_path):
     assert ends.of_unit(said) == (143, 15)
     assert ends.of_unit("Main processes terminated with: code=exited/status=3\n") == (3, 0)
     assert ends.of_unit("Failed to start transient service unit\n") is None
+
+
+def test_a_units_record_in_systemds_words_and_its_stop_mark(tmp_path):
+    """What a unit's ExecStopPost= writes (`unit $EXIT_CODE $EXIT_STATUS`, its time the file's) reads as
+    the leader's would; the ExecStop= mark says systemd stopped it, and goes with the record."""
+    from gpu_mon.engine.workloads import ends
+
+    where = ends.path(str(tmp_path), 5, 0)
+    for text, want in (
+        ("unit exited 3", (3, 0)),
+        ("unit killed TERM", (143, 15)),
+        ("unit dumped 11", (139, 11)),
+    ):
+        Path(where).write_text(text + "\n")
+        os.chmod(where, 0o600)
+        end = ends.read(where)
+        assert end is not None and (end.code, end.signal) == want, text
+        assert abs(end.wall - os.stat(where).st_mtime) < 1e-6
+    for bad in ("unit exited", "unit killed NOPE", "unit other 3", "unit  "):
+        Path(where).write_text(bad + "\n")
+        assert ends.read(where) is None, bad
+    assert not ends.stopped_by_systemd(where)
+    Path(ends.stop_mark(where)).write_text("")
+    assert ends.stop_mark(where).endswith("/gpu-mon-job-5-r0.stopped") and ends.stopped_by_systemd(where)
+    ends.remove(where)
+    assert not os.path.exists(where) and not ends.stopped_by_systemd(where)

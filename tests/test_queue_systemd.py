@@ -86,6 +86,17 @@ if mode == "term":
 if mode == "stubborn" and restart >= 1:
     time.sleep(1)
     sys.exit(0)
+if mode == "until":  # until a file is there, then exit CODE; each SIGTERM or SIGUSR1 noted, TERM ends it
+    def noted(signum, frame):
+        with open(os.path.join(env["HOME"], "qjob-" + tag + ".signals"), "a") as f:
+            f.write(signal.Signals(signum).name + "\n")
+        if signum == signal.SIGTERM:
+            sys.exit(143)
+    for s in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, noted)
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    sys.exit(int(sys.argv[3]))
 while True:
     time.sleep(0.1)
 """
@@ -179,7 +190,7 @@ def _device_of(lab: Lab, uuid: Optional[str]) -> str:
 
 
 def test_a_job_runs_as_its_user_in_a_unit_of_its_own_outside_the_sandbox(lab: Lab):
-    lab.svc.wait_line(r"^queue: jobs run as transient units in gpu_mon_jobs\.slice, stopped with gpu-mon")
+    lab.svc.wait_line(r"^queue: jobs run as transient units in gpu_mon_jobs\.slice; they outlive gpu-mon")
     # systemd would expand $NAME in a unit's command line and %n nowhere: the job gets its arguments as given
     job = lab.submit("exit", "0", "$HOME ${USER} $$ %n")
     done = lab.wait_job(job, "done")
@@ -303,47 +314,137 @@ def test_a_child_a_hook_setsid_ends_with_the_hooks_unit_when_the_hook_exits(lab:
     assert "active" not in hooks.replace("inactive", ""), hooks
 
 
-def test_a_killed_daemon_takes_its_job_down_and_the_next_one_requeues_it_once(lab: Lab):
-    # A grace longer than the unit's RestartSec=5s: systemd's stop of the job outlasts it, and gpu-mon
-    # starts again only once the job's unit is gone.
-    job = lab.submit("stubborn", options=("--grace", "6"))
+def _taken_over(lab: Lab, job: int, after: float) -> None:
+    unit = f"gpu-mon-job-{job}-r0.service"
+    lab.svc.wait_line(
+        rf"^queue: job {job} of {USER} found running in {unit}: taken over \(restart 0\)$", after=after
+    )
+    said = rf"^gpu-mon: job {job} found running at [\d:]+ by a gpu-mon that started again; it runs on$"
+    wait_for(lambda: re.search(said, lab.log(job).read_text(), re.M), 10, "the takeover's line in the log")
+
+
+def _guard_armed(lab: Lab) -> bool:
+    state = lab.box.run(["systemctl", "is-active", "gpu-mon-unguarded.timer"], check=False).stdout.strip()
+    return state == "active"
+
+
+def test_a_restart_of_gpu_mon_leaves_its_running_job_untouched_and_takes_it_over(lab: Lab):
+    flag = f"/home/{USER}/qjob-go"
+    job = lab.submit("until", flag, "3")
     info = lab.report(job, 0)
-    old_main = lab.svc.show("MainPID")["MainPID"]
-    killed = time.time()
-    lab.svc.systemctl("kill", "--signal=SIGKILL", UNIT)
-    r0, r1 = f"gpu-mon-job-{job}-r0.service", f"gpu-mon-job-{job}-r1.service"
-
-    def ended() -> Optional[float]:
-        """When systemd was done with the job's first unit (its last journal line), once it is."""
-        lines = lab.unit_lines(r0)
-        state = lab.box.show(r0, "ActiveState")["ActiveState"]
-        return lines[-1][0] if lines and state in ("inactive", "failed") else None
-
-    stopped = wait_for(ended, 30, f"systemd to stop {r0}", interval=0.2)
-    assert not lab.alive(info["child"]) and not lab.alive(info["pid"])
-    lab.svc.wait_line(rf"^queue: job {job} was running when gpu-mon stopped: back in the queue")
-    # systemd stopped it with gpu-mon, and started gpu-mon again only then (the daemon found nothing to kill).
-    restarted, _m = lab.svc.wait_line(r"^Starting gpu-mon\.service", after=killed)
-    assert stopped <= restarted, (stopped, restarted)
-    assert not [line for _t, line in lab.svc.lines() if "still runs without gpu-mon" in line]
-    assert lab.svc.show("MainPID")["MainPID"] != old_main
-    again = lab.wait_job(job, "done", restarts=1)
-    assert again["exit_status"] == 0
-    started = [t for t, line in lab.unit_lines(r1) if line.startswith(f"Started {r1} ")]
-    assert started and started[0] >= stopped, (started, stopped)  # never two runs at once
-    r2 = f"gpu-mon-job-{job}-r2.service"
-    assert not lab.unit_lines(r2), "the job ran a third time"
+    before = time.time()
+    lab.svc.systemctl("restart", UNIT)
+    _taken_over(lab, job, before)
+    lab.svc.wait_line(r"^queue: 1 job\(s\) left running in their units: 1$", after=before)
+    # No signal, the same process, the same run; the guard the old daemon's leader armed is disarmed.
+    assert lab.alive(info["pid"]) and not lab.home(f"qjob-{job}-0.signals").exists()
+    running = lab.job(job)
+    assert (running["state"], running["restarts"]) == ("running", 0)
+    wait_for(lambda: not _guard_armed(lab), 10, "the guard disarmed")
+    # Its end, once, with its own status: recorded by systemd, seen through the new client.
+    lab.box.run(["touch", flag])
+    failed = lab.wait_job(job, "failed")
+    assert failed["exit_status"] == 3
+    lab.svc.wait_line(rf"^queue: job {job} of {USER} exited with status 3: failed$", after=before)
+    assert not lab.unit_lines(f"gpu-mon-job-{job}-r1.service"), "the job ran a second time"
+    assert not list(lab.box.path("/var/lib/gpu_mon").glob("gpu-mon-job-*"))  # (its record taken)
 
 
-def test_a_restart_of_gpu_mon_requeues_its_running_job(lab: Lab):
+def test_a_killed_daemon_leaves_its_job_running_and_the_next_one_yields_it(lab: Lab):
     job = lab.submit("stubborn")
     info = lab.report(job, 0)
-    lab.svc.systemctl("restart", UNIT)  # (systemd stops gpu-mon first, and gpu-mon its job)
-    lab.svc.wait_line(rf"^job {job}\[\d+\] stopped by SIGKILL after 3\.\d s")
-    assert not lab.alive(info["child"]) and not lab.alive(info["pid"])
+    killed = time.time()
+    lab.svc.systemctl("kill", "--signal=SIGKILL", "--kill-whom=main", UNIT)
+    wait_for(lambda: _guard_armed(lab), 10, "the guard armed by the job's leader as gpu-mon died")
+    _taken_over(lab, job, killed)
+    assert lab.alive(info["pid"]) and lab.alive(info["child"])
+    wait_for(lambda: not _guard_armed(lab), 10, "the guard disarmed")
+    # Someone opens its GPU: the new gpu-mon stops every process of the unit, and the job runs again.
+    foreign = "gpu-mon-test-foreign.service"
+    device = _device_of(lab, info["cuda"])
+    lab.box.run(["systemd-run", "--collect", f"--unit={foreign}", "/usr/bin/python3", "-c", OPENER, device])
+    try:
+        _t, opened = lab.svc.wait_line(r"^opened at ([\d.]+)$", unit=foreign)
+        stopping, _m = lab.svc.wait_line(rf"busy: root python3\[\d+\] holds {device}; stopping job {job}$")
+        assert stopping - float(opened.group(1)) < 5.0
+        gone = lambda: not lab.alive(info["child"]) and not lab.alive(info["pid"])  # noqa: E731
+        wait_for(gone, 3 + 5, "the job's processes gone")
+        again = lab.wait_job(job, "done", restarts=1)
+    finally:
+        lab.box.run(["systemctl", "stop", foreign], check=False)
+    assert again["exit_status"] == 0
+    assert not lab.unit_lines(f"gpu-mon-job-{job}-r2.service"), "the job ran a third time"
+
+
+def test_a_gpu_someone_took_while_gpu_mon_was_away_is_yielded_at_the_first_look(lab: Lab):
+    job = lab.submit("stubborn")
+    info = lab.report(job, 0)
+    lab.svc.systemctl("stop", UNIT)
+    foreign = "gpu-mon-test-foreign.service"
+    device = _device_of(lab, info["cuda"])
+    lab.box.run(["systemd-run", "--collect", f"--unit={foreign}", "/usr/bin/python3", "-c", OPENER, device])
+    try:
+        lab.svc.wait_line(r"^opened at ([\d.]+)$", unit=foreign)
+        started = time.time()
+        lab.svc.systemctl("start", UNIT)
+        _taken_over(lab, job, started)
+        stopping, _m = lab.svc.wait_line(rf"busy: root python3\[\d+\] holds {device}; stopping job {job}$")
+        assert stopping - started < 10, stopping - started
+        gone = lambda: not lab.alive(info["child"]) and not lab.alive(info["pid"])  # noqa: E731
+        wait_for(gone, 3 + 5, "the job's processes gone")
+        again = lab.wait_job(job, "done", restarts=1)
+    finally:
+        lab.box.run(["systemctl", "stop", foreign], check=False)
+    assert again["exit_status"] == 0
+
+
+def test_a_job_that_ends_while_gpu_mon_is_stopped_keeps_its_own_end(lab: Lab):
+    flag = f"/home/{USER}/qjob-go"
+    job = lab.submit("until", flag, "3", options=("--notify", HOOK))
+    lab.report(job, 0)
+    lab.svc.systemctl("stop", UNIT)  # (systemd removes /run/gpu_mon with it)
+    lab.box.run(["touch", flag])
+    record = lab.box.path(f"/var/lib/gpu_mon/gpu-mon-job-{job}-r0.end")
+    wait_for(record.exists, 10, "the end recorded by the job's unit itself")
+    assert record.read_text() == "unit exited 3\n" and record.stat().st_mode & 0o777 == 0o600
+    lab.svc.systemctl("start", UNIT)
+    failed = lab.wait_job(job, "failed")
+    assert (failed["exit_status"], failed["restarts"]) == (3, 0)
+    said = rf"^gpu-mon: job {job} exited with status 3 at [\d:]+, while gpu-mon was away: failed$"
+    wait_for(lambda: re.search(said, lab.log(job).read_text(), re.M), 10, "the end's line in the log")
+    wait_for(lambda: f"hook {job} failed 3" in lab.log(job).read_text(), 20, "its hook, told of its own end")
+    assert not lab.unit_lines(f"gpu-mon-job-{job}-r1.service"), "the finished job ran again"
+    assert not record.exists() and not _guard_armed(lab)
+
+
+def test_a_stop_that_lasts_has_systemd_stop_the_jobs_which_go_back_to_the_queue(lab: Lab):
+    _write_config(lab.box, CONFIG + "unguarded_seconds = 2\n")
+    lab.svc.systemctl("restart", UNIT)
+    flag = f"/home/{USER}/qjob-go"
+    job = lab.submit("until", flag, "0")
+    info = lab.report(job, 0)
+    lab.svc.systemctl("stop", UNIT)
+    stopped = time.time()
+    wait_for(lambda: _guard_armed(lab), 10, "the guard armed")
+    signals = lab.home(f"qjob-{job}-0.signals")
+    wait_for(signals.exists, 2 + 10, "systemd's stop signal to the job, the guard's bound after")
+    took = time.time() - stopped
+    assert 1.5 < took < 2 + 5, took
+    assert signals.read_text() == "SIGTERM\n"
+    wait_for(lambda: not lab.alive(info["pid"]), 10, "the job gone")
+    assert lab.box.show(f"gpu-mon-job-{job}-r0.service", "ActiveState")["ActiveState"] in (
+        "inactive",
+        "failed",
+    )
+    lab.svc.systemctl("start", UNIT)
+    lab.box.run(["touch", flag])
     again = lab.wait_job(job, "done", restarts=1)
     assert again["exit_status"] == 0
-    assert lab.report(job, 1)["cgroup"].endswith(f"/gpu-mon-job-{job}-r1.service")
+    said = (
+        rf"^gpu-mon: job {job} at [\d:]+: systemd stopped it while gpu-mon was away; requeued \(restart 1\)$"
+    )
+    found = lambda: re.search(said, lab.log(job).read_text(), re.M)  # noqa: E731
+    wait_for(found, 10, f"the requeue's line in the log: {lab.log(job).read_text()!r}")
 
 
 def test_a_unit_systemd_refuses_fails_the_job_with_the_reason_in_the_log(lab: Lab):
@@ -416,7 +517,7 @@ def test_a_jobs_environment_reaches_it_intact_and_is_never_on_a_command_line(lab
     assert not files[0].exists()  # (removed when the run ended)
 
 
-def test_a_daemon_outside_any_unit_that_dies_has_its_leader_stop_the_job(lab: Lab, tmp_path: Path):
+def test_a_daemon_outside_any_unit_that_dies_leaves_its_job_to_the_next_one(lab: Lab, tmp_path: Path):
     lab.svc.systemctl("stop", UNIT)
     log = tmp_path / "daemon.log"
     path = ":".join([CHECKOUT] + [f"{CHECKOUT}-site{i}" for i in range(len(under._site_dirs()))])
@@ -426,9 +527,7 @@ def test_a_daemon_outside_any_unit_that_dies_has_its_leader_stop_the_job(lab: La
         plain = subprocess.Popen([*argv, "run"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: "queue: listening" in log.read_text(), 20, "the daemon's queue")
-        assert (
-            "queue: jobs run as transient units in gpu_mon_jobs.slice\n" in log.read_text()
-        )  # bound to none
+        assert "queue: jobs run as transient units in gpu_mon_jobs.slice; they outlive" in log.read_text()
         job = lab.submit("stubborn")
         info = lab.report(job, 0)
         (daemon,) = [
@@ -437,15 +536,19 @@ def test_a_daemon_outside_any_unit_that_dies_has_its_leader_stop_the_job(lab: La
             if p.cmdline()[-2:] == ["gpu_mon", "run"]
         ]
         daemon.kill()
-        # Its leader, left behind, stops the job with its stop signal and its grace (3 s), then SIGKILL.
-        gone = lambda: not lab.alive(info["child"]) and not lab.alive(info["pid"])  # noqa: E731
-        wait_for(gone, 3 + 5, "the job's processes gone")
+        # Its leader, left behind, arms the guard and lets go of the unit: the job runs on.
+        wait_for(lambda: _guard_armed(lab), 10, "the guard armed")
+        assert lab.alive(info["pid"]) and lab.alive(info["child"])
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(plain.pid, signal.SIGKILL)
         plain.wait()
+    started = time.time()
     lab.svc.systemctl("start", UNIT)
-    assert lab.wait_job(job, "done", restarts=1)["exit_status"] == 0
+    _taken_over(lab, job, started)
+    lab.box.run([_gpu_mon(), "--config", CLIENT_CONF, "cancel", str(job)])
+    cancelled = lab.wait_job(job, "cancelled")
+    assert cancelled["restarts"] == 0 and not lab.alive(info["pid"]) and not lab.alive(info["child"])
 
 
 def test_the_launcher_is_systemd_only_where_systemd_runs_the_machine(tmp_path: Path):

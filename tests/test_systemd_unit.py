@@ -159,6 +159,8 @@ def test_service_runs_gpu_mon_the_way_it_expects() -> None:
     assert "2" in _one(s, "RestartPreventExitStatus").split(), "a bad config (exit 2) must not restart-loop"
     assert _one(s, "OOMPolicy") == "continue"
     assert _one(s, "RuntimeDirectory") == "gpu_mon"
+    # kept at a stop: the jobs' units outlive gpu-mon, and systemd reads their files there as each ends
+    assert _one(s, "RuntimeDirectoryPreserve") == "yes"
     assert _one(s, "LogsDirectory") == "gpu-mon"
     assert _one(s, "StateDirectory") == "gpu_mon"  # [history]'s default /var/lib/gpu_mon/history.sqlite
     assert _one(s, "WantedBy") == "multi-user.target"
@@ -168,7 +170,9 @@ def test_service_runs_gpu_mon_the_way_it_expects() -> None:
 
 def test_stop_leaves_gpu_mon_time_to_stop_its_workloads() -> None:
     s = _settings()
-    assert _one(s, "KillMode") == "mixed", "SIGTERM must go to gpu-mon only; it stops its workloads itself"
+    # SIGTERM to gpu-mon only, which stops its workloads itself; and nothing from systemd to the rest, ever:
+    # should gpu-mon die, each workload's leader gives it its stop signal and grace (mixed: SIGKILL at once).
+    assert _one(s, "KillMode") == "process", "only gpu-mon and its leaders signal its workloads"
     stop_timeout = _seconds(_one(s, "TimeoutStopSec"))
     assert stop_timeout >= Defaults().stop_timeout_seconds + 10
 

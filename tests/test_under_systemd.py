@@ -9,7 +9,7 @@ packages on PYTHONPATH, bind-mounted read-only under /srv: the unit's PrivateTmp
 from the service, and a checkout may be there) and sets GPU_MON_SIM for the simulated GPUs. Not
 the .deb: the container's /usr is the host's, mounted read-only by `--volatile=yes`, so dpkg cannot put
 files there, and installing the package on the host itself is tests/test_deb.py's business. Everything
-else (Type=notify, the watchdog, KillMode=mixed, Delegate=yes, the sandbox, the restart rules) is the
+else (Type=notify, the watchdog, KillMode=process, Delegate=yes, the sandbox, the restart rules) is the
 shipped unit's own.
 
 The container boots once for the module (the two tests in which a sentinel powers the machine off each
@@ -373,7 +373,7 @@ def test_stop_gives_each_workload_its_stop_signal_and_leaves_nothing(service: Se
     for name, signame in (("w", "SIGUSR1"), ("x", "SIGTERM")):
         service.wait_line(rf"^{name}\[\d+\]: {name} got {signame}$")
         service.wait_line(rf"^{name}\[\d+\] stopped in \d+ ms \({signame}\)$")
-    # Only gpu-mon signals its workloads (KillMode=mixed): w never saw systemd's SIGTERM.
+    # Only gpu-mon signals its workloads (KillMode=process): w never saw systemd's SIGTERM.
     assert not [line for _t, line in service.lines() if re.match(r"^w\[\d+\]: w got SIGTERM", line)]
     state = service.show("Result", "ActiveState", "ExecMainStatus")
     assert state == {"Result": "success", "ActiveState": "inactive", "ExecMainStatus": "0"}
@@ -411,6 +411,28 @@ def test_a_killed_daemon_is_restarted_without_leftovers(service: Service):
     killed_at, _m = service.wait_line(r"Main process exited, code=killed, status=9/KILL")
     _restarted(service, old_main)
     _one_copy_each_of_the_new_daemon(service, old_jobs, killed_at)
+
+
+def test_a_crash_gives_each_workload_its_stop_signal_not_systemds_sigkill(service: Service):
+    """KillMode=process: when gpu-mon dies, systemd signals nothing else; each workload's leader gives it
+    its stop signal and grace (with mixed, systemd SIGKILLed every workload 2 ms after gpu-mon died)."""
+    logged = CONFIG.replace(
+        "stop_signal = SIGUSR1\n", "stop_signal = SIGUSR1\nlog = /var/log/gpu-mon/w.log\n"
+    )
+    _write_config(service.box, logged)
+    service.systemctl("restart", UNIT)
+    log = service.box.path("/var/log/gpu-mon/w.log")
+    wait_for(lambda: log.exists() and " up as uid " in log.read_text(), 20, "w up, its output in its log")
+    old_main = service.show("MainPID")["MainPID"]
+    service.systemctl("kill", "--signal=SIGKILL", "--kill-whom=main", UNIT)
+    wait_for(
+        lambda: "w got SIGUSR1" in log.read_text(),
+        10,
+        f"w's stop signal from its leader: {log.read_text()!r}",
+    )
+    assert "w got SIGTERM" not in log.read_text()
+    _restarted(service, old_main)
+    service.box.run(["rm", "-f", "/var/log/gpu-mon/w.log"])
 
 
 def test_the_watchdog_restarts_a_hung_daemon(service: Service):

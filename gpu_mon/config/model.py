@@ -183,6 +183,7 @@ class QueueSection:
     database: str = "/var/lib/gpu_mon/queue.sqlite"
     keep_finished_days: float = 7.0  # a finished job leaves the database after this long (0: never)
     launcher: str = "auto"  # auto (transient units where systemd runs the machine), systemd, direct
+    unguarded_seconds: float = 120.0  # jobs' units outlive gpu-mon this long at most (unguarded.py)
     line: int = 0
 
 

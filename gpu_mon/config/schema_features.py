@@ -264,6 +264,15 @@ QUEUE = SectionSpec(
             "gpu-mon. systemd: always a transient unit; direct: always a child.",
         ),
         Key(
+            "unguarded_seconds",
+            "seconds",
+            plain(v.positive_seconds),
+            "120",
+            "With transient units: jobs keep running through a restart, an upgrade or a crash of gpu-mon; "
+            "when gpu-mon has been away this long (a stop that lasts, a failed start), systemd stops them "
+            "(their stop signal and grace) and they go back to the queue.",
+        ),
+        Key(
             "keep_finished_days",
             "days",
             plain(v.seconds),

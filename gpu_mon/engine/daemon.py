@@ -325,11 +325,13 @@ class Daemon:
         tier's jobs apart: `1 queue job(s) to stop, back to the queue`)."""
         self.loop.announce("stopping")
         self.round.stopping = True
+        left = sum(t.leave_running() for t in self.tiers)  # (units that outlive gpu-mon: not stopped)
         keys = list(self.supervisor.workloads)
         owned = [t.owned(keys) for t in self.tiers]
         count = len(keys) - sum(n for n, _text in owned)
         parts = [f"{count} workload(s) to stop"] if count else []
         parts += [f"{n} {text}" for n, text in owned if n]
+        parts += [f"{left} queue job(s) left running"] if left else []
         self.round.say(f"stopping{' ' + why if why else ''}{': ' + ', '.join(parts) if parts else ''}")
         for tier in self.tiers:
             tier.stop_all()

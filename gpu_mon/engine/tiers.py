@@ -96,6 +96,10 @@ class Tier:
     def reconfigure(self, config: Config) -> None:
         """A reload's config."""
 
+    def leave_running(self) -> int:
+        """gpu-mon stops: let go of what outlives it (never on an internal error); how many were left."""
+        return 0
+
     def stop_all(self) -> None:
         """Every process gpu-mon runs is about to be stopped (a stop, an internal error)."""
 

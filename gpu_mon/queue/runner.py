@@ -5,14 +5,13 @@ urgent stop), take a GPU from a [process-*] workload, and keep [process-*] workl
 
 The store is the truth: a cancel or time limit marks the job `stopping` and the round stops it; an exit
 ends it as done, failed, timeout, cancelled, preempted or back in the queue. A daemon that starts finds
-the jobs an earlier one was running: their processes went with that daemon (each leader stops its
-workload when the daemon dies), so they go back to the queue, once their old leader is gone (never two
-runs of a job at once).
+the jobs an earlier one was running (adopt.py).
 
 Where systemd runs the machine (`[queue] launcher`, workloads/transient.py), a job is a transient service
 unit of its own, started through `systemd-run` under the leader: outside gpu-mon's sandbox, stopped through
-its unit's cgroup, and stopped by systemd with gpu-mon's own unit (which starts again only once the job's
-unit is gone). Elsewhere it is the leader's child, as a workload is.
+its unit's cgroup, and bound to nothing: it outlives a restart, an upgrade or a crash of gpu-mon, which lets
+go of it when it stops (the guard of unguarded.py bounds how long it runs unguarded). Elsewhere it is the
+leader's child, as a workload is, and a stop of gpu-mon stops it (back to the queue).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from gpu_mon.policy import words
 from gpu_mon.policy.decisions import Decision, Instance, Start, Wait
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import placement
+from gpu_mon.queue.adopt import Finder
 from gpu_mon.queue.hookleader import LeaderHooks
 from gpu_mon.queue.hooks import Hooks, Notices
 from gpu_mon.queue.jobs import Job
@@ -94,9 +94,10 @@ class Queue:
         self.supervisor, self.poke, self.wall = supervisor, poke, wall
         # Transient units where systemd runs the machine (LauncherError where `systemd` cannot be had)
         self.systemd = transient.choose(self.q.launcher, os.geteuid() == 0)
-        self.bind_to = transient.own_service() if self.systemd else None
         # The files of a job's unit: its environment, what it says before its output is open
         self.run_dir = os.path.dirname(config.defaults.state_file)
+        # Its end's record (ends.py): beside the database, never where systemd deletes it
+        self.ends_dir = os.path.dirname(os.path.abspath(self.q.database))
         # One daemon per queue: two that shared a database would run its jobs twice.
         self.lock = DaemonLock(self.q.database)
         self.lock.acquire()
@@ -112,9 +113,8 @@ class Queue:
         self.server = Server(self.q.socket, self.requests)
         self.pruner = Pruner(self.store, lambda: self.q, wall)  # finished jobs, after keep_finished_days
         self.exits: List[Exited] = []
-        self.orphans: Dict[int, Tuple[int, int]] = {}  # job -> (pid, start ticks) of an old daemon's leader
-        self.orphan_units: Dict[int, Unit] = {}  # job -> its unit that an old daemon started, still running
-        self.adopted: Set[int] = set()  # jobs found running whose old processes are stopping (orphans)
+        self.finder = Finder(self)  # the jobs an earlier daemon left
+        self.let_go: Set[int] = set()  # units left running as gpu-mon stops (they outlive it)
         self.next_wake: Optional[float] = None
         self.dirty = True
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
@@ -143,7 +143,7 @@ class Queue:
         """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
         self.notices.changes(self.store.all(), self.store.version)  # (what was before is not news)
         self._runs_seen()  # (the runs an earlier daemon left, before they are taken over)
-        self._adopt()
+        self.finder.find()
         self._runs_seen()
         try:
             self.server.start()
@@ -158,74 +158,15 @@ class Queue:
             at = time.strftime("%Y-%m-%d %H:%M", time.localtime(drained.at))
             log.info("queue: drained by %s at %s: no job starts until `gpu-mon queue resume`", drained.by, at)
         if self.systemd:
-            bound = f", stopped with {self.bind_to}" if self.bind_to else ""
-            log.info("queue: jobs run as transient units in %s%s", transient.SLICE, bound)
+            log.info(
+                "queue: jobs run as transient units in %s; they outlive gpu-mon (stopped by systemd after "
+                "%g s without it)",
+                transient.SLICE,
+                self.q.unguarded_seconds,
+            )
 
-    def _adopt(self) -> None:
-        for job in self.store.all():
-            if job.state not in J.LIVE:
-                continue
-            alive = _alive(job.leader_pid, job.leader_ticks)
-            if self.systemd and self._unit_left(job, alive):
-                alive = True
-            if not alive and self._ended_while_down(job):
-                continue
-            if alive:
-                self.orphans[job.id] = (job.leader_pid, job.leader_ticks)
-                if job.state == J.RUNNING:
-                    self.adopted.add(job.id)
-                self.store.change(
-                    job.id, lambda j: j if j.state == J.STOPPING else J.stopping(j, J.STOP_RESTART)
-                )
-                log.info("queue: job %s: the processes an earlier gpu-mon started are stopping", J.ref(job))
-            else:
-                self._unit_said(job)  # (its file removed)
-                new = self.store.change(job.id, lambda j: J.run_lost(j, self.wall()))
-                if new is not None and new.state == J.QUEUED:
-                    log.info("queue: job %s was running when gpu-mon stopped: back in the queue", J.ref(job))
-                elif new is not None:
-                    log.info("queue: job %s was stopping when gpu-mon stopped: %s", J.ref(job), new.state)
-
-    def _end_path(self, job: Job) -> str:
-        return ends.path(self.run_dir, job.id, job.restarts)
-
-    def _ended_while_down(self, job: Job, was_running: bool = False) -> bool:
-        """A job whose run's leader is gone: if its command's end was recorded (ends.py; the run ended while
-        gpu-mon was stopped, hung or dying), it ends with that end, as if seen then; True. was_running: it
-        was running when found (its stop since was this daemon's, not its end's cause)."""
-        where = self._end_path(job)
-        end = ends.read(where)
-        if end is None:
-            ends.remove(where)
-            return False
-        said = self._unit_said(job)  # (its files removed)
-
-        def own(j: Job) -> Optional[Job]:
-            if j.state not in J.LIVE:
-                return None
-            j = dataclasses.replace(j, state=J.RUNNING) if was_running and j.reason == J.STOP_RESTART else j
-            new = J.ended(j, end.wall, end.code, end.signal)
-            return _reason(new, said) if new.state == J.FAILED and said else new
-
-        new = self.store.change(job.id, own)
-        ends.remove(where)
-        if new is not None:
-            how = words.exit_status(end.code, end.signal)
-            log.info("queue: job %d %s while gpu-mon was not there to see it: %s", job.id, how, new.state)
-        return new is not None
-
-    def _unit_left(self, job: Job, leader_alive: bool) -> bool:
-        """Whether the unit of the job's last run still has processes (it is then waited for). Without its
-        leader nobody stops it: it is killed here."""
-        name = transient.unit_name(job.id, job.restarts)
-        unit = Unit(name, transient.unit_group(name))
-        if not unit.populated():
-            return False
-        self.orphan_units[job.id] = unit
-        if not leader_alive:
-            log.warning("queue: job %s: %s still runs without gpu-mon; killing it", J.ref(job), unit.name)
-            unit.kill()
-        return True
+    def end_path(self, job: Job) -> str:
+        return ends.path(self.ends_dir, job.id, job.restarts)
 
     def requeue_running(self) -> None:
         """Every workload is being stopped (gpu-mon stops, or an internal error): the running jobs go
@@ -234,11 +175,28 @@ class Queue:
         def restart(j: Job) -> Optional[Job]:  # (a stop under way keeps its meaning: cancel, time limit)
             return J.stopping(j, J.STOP_RESTART) if j.state == J.RUNNING else None
 
-        changed = self.store.change_many([(j.id, restart) for j in self.store.all() if j.state == J.RUNNING])
+        running = [j for j in self.store.all() if j.state == J.RUNNING and j.id not in self.let_go]
+        changed = self.store.change_many([(j.id, restart) for j in running])
         for job in changed:
             if job is not None:
                 at = time.strftime(_CLOCK, time.localtime(self.wall()))
                 self.note(job, f"gpu-mon: job {J.ref(job)} stopped at {at}: gpu-mon is stopping; requeued")
+
+    def leave_running(self) -> int:
+        """gpu-mon stops: the running jobs' units outlive it (their leaders arm the guard as it exits);
+        how many were left. A direct job, or one whose stop is under way, is not left."""
+        if not self.systemd:
+            return 0
+        for job in self.store.all():
+            if job.state == J.RUNNING and self.supervisor.let_go(job_key(job.id)):
+                self.let_go.add(job.id)
+        if self.let_go:
+            log.info(
+                "queue: %d job(s) left running in their units: %s",
+                len(self.let_go),
+                ", ".join(self._ref(i) for i in sorted(self.let_go)),
+            )
+        return len(self.let_go)
 
     def close(self) -> None:
         """Stop listening; end the running hooks (a few seconds at most); close the database; let the next
@@ -368,7 +326,7 @@ class Queue:
         if stopping:
             self.closing = True
             return decision
-        self._orphans_gone()
+        self.finder.look()
         views = self._views(decision, uuids)
         urgent = placement.stops(self._live(), views, now, wall)  # the yield path first
         self._preempt(urgent, index_of, now)
@@ -522,7 +480,7 @@ class Queue:
                 self.supervisor.stop(job_key(job.id), why, now)
                 self._say("queue: job %s (%s): %s; stopping it", J.ref(job), sanitize(job.user), why)
                 self.note(job, _stop_line(job, self.wall()))
-            elif w is None and job.id not in self.orphans:
+            elif w is None and job.id not in self.finder.orphans:
                 gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
         wall = self.wall()
         self.store.change_many(
@@ -617,6 +575,8 @@ class Queue:
     def _exited(self, ex: Exited, wall: float) -> None:
         """One job's run ended: the store, its unit's files, and one line."""
         job = self.store.get(_job_id(ex.key) or 0)
+        if job is not None and self.systemd and self._not_its_own(job, ex):
+            return
         new = self.store.change(
             _job_id(ex.key) or 0,
             lambda j, rc=ex.returncode, sig=ex.signal: (
@@ -624,10 +584,10 @@ class Queue:
             ),
         )
         if job is not None:
-            ends.remove(self._end_path(job))  # (seen: the record is no longer needed)
+            ends.remove(self.end_path(job))  # (seen: the record is no longer needed)
         if job is None or new is None:
             return
-        said = self._unit_said(job)  # (the file goes, whatever ended the run)
+        said = self.unit_said(job)  # (the file goes, whatever ended the run)
         detail = ex.detail or said  # the leader's, or the unit's: its output could not be opened, ...
         if new.state == J.FAILED and detail:
             new = self.store.change(new.id, lambda j, d=detail: _reason(j, d)) or new
@@ -642,7 +602,24 @@ class Queue:
             after,
         )
 
-    def _unit_said(self, job: Job) -> str:
+    def _not_its_own(self, job: Job, ex: Exited) -> bool:
+        """A unit's end that is not its command's own: systemd stopped it (a shutdown, the guard, an admin's
+        `systemctl stop`), or a unit taken over after a restart ended with nothing recorded. Such a run is
+        lost (back in the queue, or a stop under way ends as meant); True then."""
+        where = self.end_path(job)
+        taken = job.id in self.finder.taken
+        self.finder.taken.discard(job.id)
+        if ends.stopped_by_systemd(where):
+            why = "systemd stopped it"
+        elif taken and ends.read(where) is None:
+            why = "its unit ended and nothing recorded how"
+        else:
+            return False
+        ends.remove(where)
+        self.finder.lost(job, why)
+        return True
+
+    def unit_said(self, job: Job) -> str:
         """What the unit of the job's run wrote before its output was open (systemd; "" when nothing);
         its files removed."""
         if not self.systemd:
@@ -653,7 +630,7 @@ class Queue:
 
     def _launch(self, job: Job, gpus: Tuple[str, ...]) -> Launch:
         """The job run directly, or (systemd) `systemd-run` starting it as a unit of its own."""
-        end_file = self._end_path(job)
+        end_file = self.end_path(job)
         ends.remove(end_file)  # (one left by an earlier run of this number: never taken for this one's)
         direct = dataclasses.replace(_launch(job, gpus), end_file=end_file)
         if not self.systemd:
@@ -669,37 +646,21 @@ class Queue:
         except OSError as err:  # (never on systemd-run's command line: anyone may read that)
             raise StartError(f"cannot write its environment for systemd: {err.strerror or err}") from None
         argv = transient.command(
-            *(name, what, direct.argv, env_path, job.uid, job.gid, job.stop_signal, job.grace, self.bind_to),
+            *(name, what, direct.argv, env_path, job.uid, job.gid, job.stop_signal, job.grace, end_file),
             main_only=job.stop_main_only,
             stderr=transient.stderr_file(self.run_dir, name),
         )
-        unit = Unit(name, transient.unit_group(name), bound=self.bind_to is not None)
+        unit = Unit(name, transient.unit_group(name))
         return Launch(
-            argv=tuple(argv), dir="/", env=transient.CLIENT_ENV, uid=0, gid=0, unit=unit, end_file=end_file
+            argv=tuple(argv),
+            dir="/",
+            env=transient.CLIENT_ENV,
+            uid=0,
+            gid=0,
+            unit=unit,
+            end_file=end_file,
+            guard_seconds=self.q.unguarded_seconds,
         )
-
-    def _orphans_gone(self) -> None:
-        gone = [i for i, (pid, ticks) in self.orphans.items() if not _alive(pid, ticks)]
-        gone = [i for i in gone if i not in self.orphan_units or not self.orphan_units[i].populated()]
-        wall = self.wall()
-        for job_id in gone:
-            del self.orphans[job_id]
-            self.orphan_units.pop(job_id, None)
-            self.force_place = True
-            job = self.store.get(job_id)
-            was_running = job_id in self.adopted
-            self.adopted.discard(job_id)
-            if job is not None and self._ended_while_down(job, was_running):
-                continue
-            if job is not None:
-                self._unit_said(job)  # (its file removed)
-            new = self.store.change(
-                job_id, lambda j, w=wall: J.run_lost(j, w) if j.state == J.STOPPING else None
-            )
-            if new is not None:
-                log.info("queue: job %s: the earlier gpu-mon's processes are gone: %s", J.ref(new), new.state)
-        if self.orphans:
-            self.dirty = True  # look again next round
 
 
 def _cancel_queued(job: Job, wall: float, reason: str) -> Optional[Job]:

@@ -91,6 +91,9 @@ class QueueTier(Tier):
         if self.queue is not None and config.queue is not None:
             self.queue.reconfigure(config)  # (its socket and database stay until a restart)
 
+    def leave_running(self) -> int:
+        return self.queue.leave_running() if self.queue is not None else 0
+
     def stop_all(self) -> None:
         if self.queue is None:
             return

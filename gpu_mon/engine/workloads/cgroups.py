@@ -118,6 +118,8 @@ class CgroupTree:
                 owner = _daemon_pid(name)
                 if owner is None or owner == self.daemon_pid or _alive(owner) or not os.path.isdir(path):
                     continue
+                if _leader_in(name, path):
+                    continue  # its leader gives its workload the stop and grace it was due: left to finish
                 if populated(path):
                     kill(path)
                 if remove(path):
@@ -131,6 +133,13 @@ def _daemon_pid(name: str) -> Optional[int]:
     if len(parts) != 3 or parts[0] + "." != PREFIX or not parts[1].isdigit():
         return None
     return int(parts[1])
+
+
+def _leader_in(name: str, path: str) -> bool:
+    """Whether the leader named in a group's name `gpu-mon.<daemon>.<leader>` is in that group, alive (a
+    dead daemon's leader stopping its workload itself, as its daemon died)."""
+    leader = name.split(".")[-1]
+    return leader.isdigit() and int(leader) in procs(path) and _alive(int(leader))
 
 
 def _alive(pid: int) -> bool:

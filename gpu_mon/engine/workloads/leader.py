@@ -23,8 +23,9 @@ when the command cannot be run).
 A transient unit (`unit_cgroup` in the spec, transient.py): the command is `systemd-run --wait`, and the
 workload's processes are the unit's, not ours. Every step of a stop then goes to the processes in the unit's
 group (never to the client, whose exit is the unit's end), the SIGKILL is the group's `cgroup.kill`, and
-the leader stays until the group is empty. When the daemon dies, a unit bound to the daemon's own unit is
-left to systemd, which stops it.
+the leader stays until the group is empty. When the daemon dies, the unit outlives it: the leader arms the
+guard (unguarded.py: systemd stops the jobs if no daemon comes back in time), ends its client (never the
+unit) and exits; the next daemon finds the unit again (queue/adopt.py).
 
 It imports only the standard library, gpu_mon.api.procfs and linux.py, so it starts in tens of milliseconds.
 """
@@ -40,7 +41,7 @@ import sys
 import time
 from typing import Optional
 
-from gpu_mon.engine.workloads import cgroups, ends, linux
+from gpu_mon.engine.workloads import cgroups, ends, linux, unguarded
 
 # The parent-death signal: only the kernel sends it, when the daemon's thread that started us exits (the
 # daemon is dying). A real-time signal, so that it is never a workload's stop_signal sent to the group, nor
@@ -75,7 +76,7 @@ class Leader:
         self.term_pending = False  # the stop signal was not SIGTERM: SIGTERM comes when its grace is over
         self.cgroup: Optional[str] = spec.get("cgroup")
         self.unit: Optional[str] = spec.get("unit_cgroup")
-        self.unit_bound = bool(spec.get("unit_bound"))  # systemd stops the unit when the daemon's unit stops
+        self.guard: Optional[float] = spec.get("unit_guard_seconds")  # unguarded.py, as the daemon dies
         self.unit_kills = 0  # SIGKILL rounds on a unit's group that is still populated
         self.child: Optional[subprocess.Popen] = None
         self.main_status: Optional[int] = None
@@ -145,10 +146,6 @@ class Leader:
         the group), so only descendants that left the group get it from here: a second SIGTERM can cut a
         checkpoint short, and one that lands while a Python command is exiting from its handler of the
         first kills it (Python restores SIG_DFL as it finalizes), so a clean `exit 143` became a death."""
-        if not daemon_alive and self.unit_bound:
-            # systemd stops the unit with the daemon's own (its stop orders the daemon's restart after the
-            # unit's end); a stop from here first would make that an end of the unit's own, not ordered.
-            return
         if self.deadline is None:
             # While the daemon lives it escalates (and says so); we follow a second later, as a backstop.
             backstop = 1.0 if daemon_alive and self.main_status is None else 0.0
@@ -251,6 +248,23 @@ class Leader:
         with contextlib.suppress(OSError):
             ends.write(self.end_file, ends.End(code, sig, time.time()))
 
+    def let_go(self) -> int:
+        """The daemon died while its unit runs (not while stopping it): the unit outlives it, with its
+        end recorded by systemd (ends.py). Arm the guard, end our client (the unit does not notice), go."""
+        if self.main_status is None:
+            if self.guard:
+                unguarded.arm(self.guard)
+            if self.child is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.child.pid, signal.SIGKILL)
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return 0
+            except InterruptedError:
+                continue
+
     def read_note(self) -> None:
         """The last line the command wrote on its stderr before redirecting it, as an `error` line."""
         if self.note_fd is None:
@@ -297,6 +311,8 @@ class Leader:
             elif info is not None and info.si_signo == DAEMON_GONE and not self.daemon_gone:
                 self.reap()  # a command that had ended already ended on its own: recorded as such
                 self.daemon_gone = True
+                if self.unit and self.deadline is None:
+                    return self.let_go()
                 self.begin_stop(daemon_alive=False)
             elif info is not None and info.si_signo != signal.SIGCHLD:
                 # (the daemon's SIGTERM always goes to the whole group: supervisor.py's _killpg)

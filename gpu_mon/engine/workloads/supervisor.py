@@ -78,6 +78,8 @@ class Launch:
     note_stderr: bool = False
     # a queue job's: where the leader records the command's end before it says so (ends.py)
     end_file: Optional[str] = None
+    # a unit's: how long it may run on once the daemon is gone (unguarded.py; None: no guard)
+    guard_seconds: Optional[float] = None
 
 
 @dataclass
@@ -239,7 +241,7 @@ class Supervisor:
             # The leader waits for its spec before it starts anything: move it into its cgroup first.
             "cgroup": self._contain(popen.pid, label),
             "unit_cgroup": launch.unit.group if launch.unit is not None else None,
-            "unit_bound": launch.unit is not None and launch.unit.bound,
+            "unit_guard_seconds": launch.guard_seconds if launch.unit is not None else None,
         }
         send_spec(popen, spec)
         w = Workload(
@@ -343,6 +345,21 @@ class Supervisor:
             helper = w.unit.systemctl_kill(sig)
             if helper is not None:
                 self.helpers[helper.pid] = helper
+
+    def let_go(self, key: str) -> bool:
+        """gpu-mon stops and leaves this workload's transient unit running (it outlives us): forget it
+        without a signal. Its leader, told by the kernel as we exit, arms the guard and ends its client
+        (leader.py); until then it is kept from sweeps like a helper. False for one that is no unit's, or
+        already stopping (a stop under way is finished)."""
+        w = self.workloads.get(key)
+        if w is None or w.unit is None or w.stopping:
+            return False
+        del self.workloads[key]
+        self.on_output(w, final=True)
+        for name in ("pidfd", "status_fd", "out_fd"):
+            self._close_fd(w, name)
+        self.helpers[w.pid] = w.popen
+        return True
 
     def stop_all(self, reason: str, now: float) -> None:
         """Stop every workload."""

@@ -23,10 +23,11 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from typing import Dict, List, Optional, Tuple
 
 from gpu_mon.api import procfs
-from gpu_mon.engine.workloads import cgroups
+from gpu_mon.engine.workloads import cgroups, ends
 
 log = logging.getLogger("gpu_mon")
 
@@ -89,6 +90,19 @@ def own_service(proc: str = procfs.PROC) -> Optional[str]:
     return units[-1] if units else None
 
 
+_WAIT_CODE = (
+    "import sys; sys.path.insert(0, {!r}); import gpu_mon.engine.workloads.unitwait as m; sys.exit(m.main())"
+)
+_PACKAGE_PARENT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
+
+
+def wait_command(end_file: str, group: str) -> List[str]:
+    """The client of a unit found running after a restart (unitwait.py), in place of its systemd-run."""
+    return [sys.executable, "-I", "-S", "-c", _WAIT_CODE.format(_PACKAGE_PARENT), end_file, group]
+
+
 def unit_name(job_id: int, restarts: int) -> str:
     """One run's unit: a new run never meets an old one still stopping."""
     return f"gpu-mon-job-{job_id}-r{restarts}.service"
@@ -147,6 +161,14 @@ def env_file(directory: str, unit: str, env: Dict[str, str]) -> str:
     return _root_file(directory, unit, ".env", "".join(f"{k}={_quoted(v)}\n" for k, v in env.items()))
 
 
+# Run by systemd as root (`+`) at the unit's end, whether gpu-mon runs or not: the end of its main process,
+# as systemd saw it, into the job's end record (ends.py), whole or absent. $1: the record's path.
+_RECORD_END = 'umask 077; echo "unit $EXIT_CODE $EXIT_STATUS" >"$1.tmp" && mv -f "$1.tmp" "$1"'
+# Run by systemd as root when the unit stops: only a stop of systemd's while the main process lives (a
+# shutdown, `systemctl stop`, the guard) finds $MAINPID set; the mark says its end is not the job's own.
+_MARK_STOP = '[ -z "$MAINPID" ] || { umask 077; : >"$1"; }'
+
+
 def command(
     unit: str,
     description: str,
@@ -156,16 +178,17 @@ def command(
     gid: int,
     stop_signal: int,
     grace: float,
-    bind_to: Optional[str],
+    end_file: Optional[str],
     main_only: bool = False,
     stderr: Optional[str] = None,
     runtime_max: Optional[float] = None,
 ) -> List[str]:
     """The `systemd-run` command line that runs `argv` as a transient service of its user, with the
-    environment in `env_path` (`env_file`; never on the command line) (`main_only`: its stop signal goes
-    to its main process alone, SIGKILL to all, when systemd stops it; `stderr`: a file the unit's standard
-    error goes to, made by `stderr_file`, instead of the journal; `runtime_max`: systemd ends it after that
-    many seconds, and systemd-run says nothing but its exit status, as for a hook)."""
+    environment in `env_path` (`env_file`; never on the command line) (`end_file`: where the unit records
+    its end itself, ends.py; `main_only`: its stop signal goes to its main process alone, SIGKILL to all,
+    when systemd stops it; `stderr`: a file the unit's standard error goes to, made by `stderr_file`,
+    instead of the journal; `runtime_max`: systemd ends it after that many seconds, and systemd-run says
+    nothing but its exit status, as for a hook). The unit is bound to nothing: it outlives gpu-mon."""
     out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
     if runtime_max is not None:
         out += ["--quiet", "-p", f"RuntimeMaxSec={runtime_max:g}"]
@@ -173,19 +196,29 @@ def command(
         out += ["-p", f"StandardError=file:{stderr}"]  # (made empty: file: is append:, and systemd 236's)
     out += ["--service-type=exec", "--collect", f"--slice={SLICE}", "--working-directory=/"]
     out += [f"--description={description}"]
-    # When systemd stops it by itself (gpu-mon died): the job's stop signal and grace, then SIGKILL.
+    # When systemd stops it (a shutdown, the guard while gpu-mon is away): its stop signal and grace.
     mode = "mixed" if main_only else "control-group"  # (mixed: the stop signal to the main process alone)
     out += ["-p", f"KillMode={mode}", "-p", f"KillSignal={int(stop_signal)}"]
     out += ["-p", f"TimeoutStopSec={max(1, int(grace + 1.999))}", "-p", "SendSIGKILL=yes"]
-    if bind_to:
-        # A stop of gpu-mon's unit (and its death: systemd restarts it) stops the job, never a restart
-        # (BindsTo= would restart the job itself, behind gpu-mon's back). Before=: gpu-mon stops first (it
-        # stops its jobs and requeues them) and starts again only once the job's unit is gone.
-        out += ["-p", f"StopPropagatedFrom={bind_to}", "-p", f"Before={bind_to}"]
+    if end_file:
+        if not _PLAIN_PATH.match(end_file):
+            raise OSError(errno.EINVAL, "not a plain path (letters, digits, /._-)", end_file)
+        mark = ends.stop_mark(end_file)
+        out += ["-p", f"ExecStop=+/bin/sh -c {_sh(_MARK_STOP)} gpu-mon-stopped {mark}"]
+        out += ["-p", f"ExecStopPost=+/bin/sh -c {_sh(_RECORD_END)} gpu-mon-end {end_file}"]
     if env_path:
-        out += ["-p", f"EnvironmentFile={env_path}"]
+        # "-": systemd reads it for each of the unit's commands, its ExecStop= and ExecStopPost= too, by
+        # when it may be gone (with /run/gpu_mon, which systemd removes as gpu-mon's unit stops)
+        out += ["-p", f"EnvironmentFile=-{env_path}"]
     out += ["--", *[escape(a) for a in argv]]
     return out
+
+
+def _sh(script: str) -> str:
+    """A script as one word of a unit's command line: single-quoted (it has no quote of that kind), its
+    `$` doubled (systemd would expand them itself)."""
+    assert "'" not in script and "\\" not in script
+    return "'" + escape(script) + "'"
 
 
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9/._-]+$")
@@ -239,10 +272,9 @@ def unit_ended(directory: str, unit: str) -> str:
 class Unit:
     """One running job's unit, as its workload's stop and end see it."""
 
-    def __init__(self, name: str, group: Optional[str], bound: bool = False) -> None:
+    def __init__(self, name: str, group: Optional[str]) -> None:
         self.name = name
         self.group = group
-        self.bound = bound  # systemd stops it with gpu-mon's own unit (command()'s bind_to)
         self.status: Optional[int] = None  # the main process's end, as systemd-run reported it
         self.killed_by = 0  # the signal that ended it, as systemd-run reported it (0: it exited)
         self.helper: Optional[subprocess.Popen] = None  # the last `systemctl kill`
