@@ -102,10 +102,10 @@ def booted(code: Path, work: Path) -> Iterator[Container]:
 
 
 def _client(box: Container, *args: str) -> str:
-    path = ":".join([CODE] + [f"{CODE}-site{i}" for i in range(len(_site_dirs()))])
-    env = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME=/home/{USER}", f"USER={USER}", f"PYTHONPATH={path}"]
-    python = os.path.realpath(sys.executable)
-    argv = ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--init-groups", *env, "sh", "-c"]
+    env = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME=/home/{USER}", f"USER={USER}", f"PYTHONPATH={CODE}"]
+    python = "/usr/bin/python3"  # (as a user would: the system's, this checkout's package on its path)
+    uid = box.run(["id", "-u", USER]).stdout.strip()
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--init-groups", *env, "sh", "-c"]
     argv += ['cd "$HOME" && exec "$@"', "sh", python, "-m", "gpu_mon", "--config", "/etc/gpu-mon-client.conf"]
     return box.run([*argv, *args]).stdout
 
