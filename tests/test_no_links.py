@@ -1,7 +1,7 @@
 """What root writes into or reads from a user's job output goes through no link the user made: the lines
 gpu-mon writes into a job's log (a directory of the path swapped for a link after the start), and root's
-`gpu-mon logs ID` (the output made a link to /etc/shadow). Real daemon, real users made here (gmlann,
-gmlben)."""
+`gpu-mon logs [--follow] ID` (the output made a link to /etc/shadow). Real daemon, real users made here
+(gmlann, gmlben)."""
 
 from __future__ import annotations
 
@@ -95,13 +95,15 @@ def test_roots_logs_of_a_job_whose_output_is_a_link_to_shadow_is_a_one_line_refu
     _as_user(llab, out)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(llab.code), "LANG": "C.UTF-8"}
     cli = [PY, "-m", "gpu_mon", "--config", str(llab.client_conf), "logs", str(job)]
-    r = subprocess.run(cli, capture_output=True, text=True, env=env, cwd="/", timeout=60)
-    assert "root:" not in r.stdout and r.stdout == ""
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Permission denied" in r.stderr, r.stderr
+    for follow in ([], ["--follow"]):  # (--follow printed nothing and exited 0: issue 46, item 6)
+        r = subprocess.run([*cli, *follow], capture_output=True, text=True, env=env, cwd="/", timeout=60)
+        assert "root:" not in r.stdout and r.stdout == ""
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Permission denied" in r.stderr, r.stderr
     # the same file as a plain file of hers: root reads it (as her)
     out.unlink()
     out.write_text("hers\n")
     _as_user(llab, out)
     out.chmod(0o600)
-    r = subprocess.run(cli, capture_output=True, text=True, env=env, cwd="/", timeout=60)
-    assert (r.returncode, r.stdout) == (0, "hers\n"), r.stderr
+    for follow in ([], ["--follow"]):
+        r = subprocess.run([*cli, *follow], capture_output=True, text=True, env=env, cwd="/", timeout=60)
+        assert (r.returncode, r.stdout) == (0, "hers\n"), r.stderr

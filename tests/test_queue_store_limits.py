@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -19,7 +20,8 @@ import pytest
 from conftest import wait_for
 from test_queue import JOB, PY, Lab, made_lab, queue_body
 
-from gpu_mon.queue.store import Store
+from gpu_mon.api import historydb
+from gpu_mon.queue.store import MIB, Store
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -188,3 +190,32 @@ def test_a_full_disk_refuses_a_submit_in_one_line_loses_no_end_and_stops_no_work
             assert d.proc is not None and d.proc.poll() is None
         finally:
             d.stop()
+
+
+def _wal_bytes(database: Path) -> int:
+    wal = database.parent / (database.name + "-wal")
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def test_the_write_ahead_log_stays_bounded_when_a_user_at_the_cap_cancels_and_their_jobs_are_pruned(
+    lab, daemon_factory
+):
+    """Issue 46, item 5: SQLite never shrinks its WAL by itself; a cancel of many big jobs (one transaction)
+    and the prune of them (Debian's SQLite zeroes what it deletes) each wrote more than the cap's worth."""
+    body = queue_body(lab, "max_stored_mib_per_user = 6\nmax_queued_per_user = 100\n")
+    d = daemon_factory(body, defaults={"start_delay_seconds": 0})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    big = {f"BIG{i}": "z" * 120_000 for i in range(2)}  # (~240 KB a job: 24 of them near the 6 MiB cap)
+    held = [lab.submit(lab.alice, "--hold", *lab.job_cmd("exit", "0"), env=big) for _ in range(24)]
+    assert _wal_bytes(lab.database) <= historydb.WAL_BYTES
+    assert lab.run(lab.alice, "cancel", *map(str, held)).returncode == 0  # 6 MB rewritten at once
+    assert _wal_bytes(lab.database) <= historydb.WAL_BYTES, _wal_bytes(lab.database)
+    d.write_config(body + "keep_finished_days = 0.00001\nfair_window_hours = 0.0001\n")
+    ended = time.time()
+    wait_for(lambda: time.time() > ended + 1.0, 5, "the jobs to be a second old")
+    d.signal(signal.SIGHUP)
+    d.wait_log(r"queue: 24 finished job\(s\) older than")
+    assert _wal_bytes(lab.database) <= historydb.WAL_BYTES, _wal_bytes(lab.database)
+    assert _db_bytes(lab.database) < 9 * MIB, _db_bytes(lab.database)  # the cap's 6, not 6 + 6
+    assert lab.submit(lab.alice, "--hold", *lab.job_cmd("exit", "0"), env=big)  # the room is used again
+    d.stop()

@@ -54,6 +54,12 @@ CREATE INDEX job_runs_by_end ON job_runs (end);
 }
 Error = sqlite3.Error
 OperationalError = sqlite3.OperationalError  # (a full disk, a lock: not a damaged file)
+BUSY_MS = 5000  # how long a statement waits for a lock another connection holds
+# The most a write-ahead log keeps on disk between writes. SQLite only ever reuses its WAL file, never
+# shrinks it: one transaction that changes much (a prune of big rows, which Debian's SQLite zeroes:
+# SECURE_DELETE) left a 71 MB WAL beside a queue at its 64 MiB cap, for good (issue 46). Its auto-checkpoint
+# runs at 1000 pages (4 MiB) too, so this is what a WAL reaches anyway.
+WAL_BYTES = 4 << 20
 
 
 class NotOurs(Exception):
@@ -83,7 +89,7 @@ def open_own(path: str, application_id: int, what: str, mode: int, synchronous: 
     application's; Unsafe when it is not a regular file."""
     os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
     fresh = not _regular_or_absent(path) or os.path.getsize(path) == 0
-    conn = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(path, timeout=BUSY_MS / 1000, isolation_level=None, check_same_thread=False)
     try:
         if fresh:
             os.chmod(path, mode)
@@ -92,10 +98,28 @@ def open_own(path: str, application_id: int, what: str, mode: int, synchronous: 
             _check(conn, application_id, what)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
+        conn.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")  # (a WAL started again is cut to this)
     except (sqlite3.DatabaseError, NotOurs) as err:
         conn.close()
         raise NotOurs(str(err)) from None
     return conn
+
+
+def trim_wal(conn: sqlite3.Connection, path: str) -> bool:
+    """Checkpoint the database at `path` and truncate its WAL when that has grown past WAL_BYTES; whether it
+    did. Outside a transaction only. Never waits on a reader (it is tried again at the next call)."""
+    try:
+        size = os.stat(path + "-wal").st_size
+    except OSError:
+        return False
+    if size <= WAL_BYTES:
+        return False
+    conn.execute("PRAGMA busy_timeout=0")
+    try:
+        busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={BUSY_MS}")
+    return not busy
 
 
 def connect_rw(path: str) -> sqlite3.Connection:

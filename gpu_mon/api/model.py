@@ -116,6 +116,16 @@ class UnseenOpen:
 
 
 @dataclass(frozen=True)
+class OpenFlood:
+    """A GPU whose node is opened again and again while nothing of gpu-mon's runs on it: its opens are
+    looked at about once a second, not one by one (engine/floods.py), and it counts as busy meanwhile."""
+
+    uuid: str
+    since: float  # monotonic seconds of the first of its opens
+    by: Tuple[Holder, ...]  # who the kernel or the scans named as its openers (none: nobody was seen)
+
+
+@dataclass(frozen=True)
 class TtyUser:
     """The owner of a terminal device and how long since it was last touched."""
 
@@ -184,6 +194,7 @@ class Snapshot:
     nvml_procs: Tuple[Holder, ...] = ()
     node_errors: Tuple[Tuple[str, str], ...] = ()  # (uuid, why its device node cannot be watched)
     unseen_opens: Tuple[UnseenOpen, ...] = ()  # the latest one of each GPU
+    open_floods: Tuple[OpenFlood, ...] = ()  # GPUs opened again and again (engine/floods.py)
     # `gpu-mon occupy` only: the running jobs of the daemon's queue, and why they cannot be known (then
     # every GPU counts as busy); the daemon itself leaves both empty (its own jobs are its own)
     queue_jobs: Tuple[QueueJob, ...] = ()

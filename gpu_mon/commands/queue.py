@@ -521,18 +521,27 @@ def _logs(args: argparse.Namespace, socket: str) -> int:
     path, state = answer["path"], answer["state"]
     output = _Output(path, answer.get("uid"), answer.get("gid"))
     offset = output.print_from(0, quiet=args.follow or state in (J.QUEUED, J.HELD))
-    if offset is None and not args.follow:
+    if args.follow:
+        offset = _follow(output, offset, state, args.id, socket)
+    if offset is None:
         why = answer.get("reason") if state == J.FAILED else ""  # (its output could not be opened: why)
         said = f": {why}" if why else f" yet ({path})"
         raise CliError(f"job {args.id} has no output{said}", base.EXIT_FAILURE)
-    while args.follow and state not in J.ENDED:
+    return base.EXIT_OK
+
+
+def _follow(
+    output: _Output, offset: Optional[int], state: str, job_id: Union[int, str], socket: str
+) -> Optional[int]:
+    """`logs --follow`: print what comes until the job ends, then the rest; the last offset (None: there
+    was never an output). What cannot be read then (a link to a file the user may not read) is a
+    CliError, as without --follow: quiet only while the job may still make its output."""
+    while state not in J.ENDED:
         time.sleep(_POLL_SECONDS)
-        (job,) = _ask(socket, {"op": "jobs", "ids": [args.id]})["jobs"]
+        (job,) = _ask(socket, {"op": "jobs", "ids": [job_id]})["jobs"]
         state = job["state"]
         offset = output.print_from(offset or 0, quiet=True)
-    if args.follow:
-        output.print_from(offset or 0, quiet=True)
-    return base.EXIT_OK
+    return output.print_from(offset or 0, quiet=False)
 
 
 class _Output:

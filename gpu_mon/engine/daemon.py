@@ -139,10 +139,10 @@ class Daemon:
         # The nodes are watched before the first scan: an open during that scan is an event, not a poll later.
         self.observer.read_gpus(process_utilization=False)
         self.opens.rewatch()
-        self.closes.follow(self.opens.watched)
+        self.closes.follow(self.opens.watching())
         self._poll(self.clock(), full=True)
         self.opens.refresh()  # (and the nodes of other mount namespaces the scan found)
-        self.closes.follow(self.opens.watched)
+        self.closes.follow(self.opens.watching())
         self.loop.announce("ready")
 
     def catch_signals(self) -> None:
@@ -239,8 +239,9 @@ class Daemon:
             self.round.run(now, scan="fds", pause=True)
         elif not ran and (exits or self._wake_due(now)):
             self.round.run(now, scan=None)
+        self.yields.guard()
         self.opens.refresh()
-        self.closes.follow(self.opens.watched)
+        self.closes.follow(self.opens.watching())
         if self.observer.rescan_wanted and self.scans.deferred_full is None:
             # A holder let go of a GPU: its descriptor may have been handed to another process (or to one
             # that shares its fd table without being a thread of it: every process is read).
@@ -310,7 +311,7 @@ class Daemon:
             self.closes.stop(self.loop.remove_reader)
             self._start_watching()
             self.opens.rewatch()
-            self.closes.follow(self.opens.watched)
+            self.closes.follow(self.opens.watching())
         self.round.plan = None
         self.round.reported_problems.clear()
         reload.restart_changed(self.supervisor, new, what, now, self.round.say)

@@ -48,8 +48,10 @@ class Inotify:
         wanted = set(paths)
         errors: Dict[str, str] = {}
         for path in list(self._path_wd):
-            if path not in wanted:
-                self._libc.inotify_rm_watch(self.fd, self._path_wd.pop(path))
+            if path not in wanted:  # (its IN_IGNORED, and what was queued for it, is read as nobody's)
+                wd = self._path_wd.pop(path)
+                self._wd_path.pop(wd, None)
+                self._libc.inotify_rm_watch(self.fd, wd)
         for path in wanted:
             if path in self._path_wd:
                 continue

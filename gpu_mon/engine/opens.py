@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, List, Optional, Set, Tuple
+from typing import Callable, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from gpu_mon.api.observe import Observer
 from gpu_mon.engine.fanotify import Fanotify
@@ -56,6 +56,7 @@ class OpenWatch:
         self.inotify: Optional[Inotify] = None
         self.fanotify: Optional[Fanotify] = None  # who opened: pids to read first (hints; root only)
         self.watched: Tuple[str, ...] = ()
+        self.held: FrozenSet[str] = frozenset()  # of those, the nodes let go for now (engine/floods.py)
         self.announced: Set[str] = set()
         self.opened: Set[str] = set()
         self.unwatched: Set[str] = set()  # GPUs' own nodes that cannot be watched
@@ -83,7 +84,7 @@ class OpenWatch:
             self.fanotify.close()
             self.fanotify = None
         self.opened.clear()
-        self.watched = ()
+        self.watched, self.held = (), frozenset()
 
     def read(self) -> None:
         """Collect the opens the kernel reported; renew the watches if it asked."""
@@ -132,6 +133,18 @@ class OpenWatch:
         """The pids that fanotify says opened a watched node since the last call, the latest first."""
         return self.fanotify.take() if self.fanotify is not None else ()
 
+    def watching(self) -> Tuple[str, ...]:
+        """The nodes an open of which wakes us now: those watched less those let go."""
+        return tuple(p for p in self.watched if p not in self.held)
+
+    def hold(self, paths: Iterable[str]) -> None:
+        """Let go of exactly these nodes for now (their opens wake nobody); watch the others again."""
+        held = frozenset(paths)
+        if held != self.held:
+            self.held = held
+            if self.inotify is not None:  # (a node that cannot be watched again: rewatch says so)
+                self.inotify.watch(self.watching())
+
     def refresh(self) -> None:
         """Watch exactly the observer's nodes, if they changed."""
         if self.observer.device_paths() != self.watched:
@@ -143,7 +156,7 @@ class OpenWatch:
         if self.inotify is None:
             return
         devices = {g.device for g in self.observer.reading.gpus}
-        errors = self.inotify.watch(self.watched)
+        errors = self.inotify.watch(self.watching())
         self.unwatched = {p for p in errors if p in devices}
         self._mark_openers([p for p in self.watched if p not in errors])
         for path, why in errors.items():

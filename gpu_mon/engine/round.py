@@ -16,6 +16,7 @@ from typing import Callable, Deque, Dict, Optional, Sequence, Set, Tuple
 from gpu_mon.api.model import Snapshot
 from gpu_mon.api.observe import Observer
 from gpu_mon.config import Config
+from gpu_mon.engine.floods import Floods
 from gpu_mon.engine.idleround import IdleRound
 from gpu_mon.engine.loop import Loop
 from gpu_mon.engine.openers import Openers
@@ -48,6 +49,7 @@ class Parts:
     idle: IdleRound
     loop: Loop
     tiers: Sequence[Tier] = ()
+    floods: Floods = dataclasses.field(default_factory=Floods)
 
 
 class Round:
@@ -135,6 +137,7 @@ class Round:
             running=sup.running(),
             exited=() if quick else sup.take_exits(),
             unseen_opens=tuple(self.p.openers.unseen.values()),
+            open_floods=self.p.floods.seen(),
         )
         for tier in self.p.tiers:
             snap = tier.see(snap, quick)

@@ -18,10 +18,12 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
-from typing import Callable, Iterable, Optional, Set
+from typing import Callable, Iterable, Optional, Set, Tuple
 
+from gpu_mon.api import holders
 from gpu_mon.api.model import Holder
 from gpu_mon.engine.opens import OpenRetry, retry_for
 from gpu_mon.engine.round import Round
@@ -36,6 +38,8 @@ log = logging.getLogger("gpu_mon")
 # before it reads the rest of /proc: on a 2-core machine the signalled workload otherwise waited up to ~9 ms
 # for a core behind that read (p99 of the signal to its handler 5.4 ms; 3.5 ms with the pause).
 STEP_ASIDE_SECONDS = 0.005
+_SUMMED_LOOKS = 3  # an episode of opens again and again that ends in a line: looked at this often
+_NAMED = 4  # the openers of a GPU opened again and again that are kept (the first is named in its reason)
 
 
 class YieldPath:
@@ -47,18 +51,20 @@ class YieldPath:
         self.retry: Optional[OpenRetry] = None  # an open no scan explained yet: looked at again soon
 
     def deadline(self) -> Optional[float]:
-        return self.retry.at if self.retry is not None else None
+        if self.p.opens.opened:  # (nodes watched again at once: engine/floods.py, `guard`)
+            return 0.0
+        times = (self.retry.at if self.retry is not None else None, self.p.floods.deadline())
+        return min((t for t in times if t is not None), default=None)
 
     def on_wake(self, now: float) -> bool:
         """The opens reported since the last wake, or an open due to be looked at again. True: a round ran."""
         opened = self.p.opens.take()
+        ran = bool(opened) or (self.retry is not None and now >= self.retry.at)
         if opened:
             self.on_open(opened, now)
-            return True
-        if self.retry is not None and now >= self.retry.at:
+        elif ran:
             self.look_again(now)
-            return True
-        return False
+        return self._floods_due(now) or ran  # (after the opens: one just read goes on an episode)
 
     def on_open(self, opened: Set[str], now: float) -> None:
         """A GPU node was opened: find the opener with an incremental scan, else a (rate-limited) full one.
@@ -74,6 +80,9 @@ class YieldPath:
         uuids = {obs.watch_targets().get(path) for path in opened}
         before = self.p.openers.before()
         named = self.p.opens.openers()
+        if self._flooded(uuids, now):  # (nothing of ours there: no stop to send, no opener to chase)
+            self._look_at_flood(uuids, named, before, now)
+            return
         explained = self._explained("first", uuids, named)
         if not obs.scan_complete:  # a foreign holder of an opened GPU: it is yielded to first
             self.yield_first(now)
@@ -100,6 +109,74 @@ class YieldPath:
         else:
             self.round.run(now, scan=None)
             scans.defer_full(now)
+
+    # ------------------------------------------------------------------ opens again and again (floods.py)
+
+    def _guarded(self, uuid: str) -> bool:
+        """Something of ours is on this GPU (a workload or a queue job, a Slurm job): each open of its node
+        is looked at at once. Before the first round, every GPU is."""
+        if any(uuid in w.instance.gpus for w in self.p.supervisor.workloads.values()):
+            return True
+        report = self.round.report
+        if report is None:
+            return True
+        snap = report.snapshot
+        return any(uuid in j.gpus for j in (*snap.slurm_jobs, *snap.queue_jobs))
+
+    def _flooded(self, uuids: Set[Optional[str]], now: float) -> bool:
+        """Note these opens of the GPUs with nothing of ours on them; whether every one of them is a GPU
+        opened again and again (its node is let go until the next look)."""
+        quiet = {u for u in uuids if u is not None and not self._guarded(u)}
+        flooded = self.p.floods.opened(quiet, now)
+        return bool(uuids) and uuids <= flooded
+
+    def _look_at_flood(
+        self, uuids: Set[Optional[str]], named: Tuple[int, ...], before: tuple, now: float
+    ) -> None:
+        """An open of GPUs opened again and again: who (the openers the kernel named first), then a round;
+        their nodes let go again."""
+        self._explained("first", uuids, named)
+        for uuid in self.p.openers.note(uuids, before, now):  # (a plain user's daemon: no names)
+            log.debug("open of %s by a process whose files cannot be read", uuid)
+        obs = self.p.observer
+        for uuid in uuids:
+            assert uuid is not None
+            pids = [p for p in named if p != obs.own_pid]
+            pids += [h.pid for h in obs.holders if uuid in h.gpus and not h.ours_on(uuid)]
+            found = (holders.describe(p, frozenset((uuid,)), obs.proc) for p in dict.fromkeys(pids))
+            self.p.floods.named(uuid, tuple(itertools.islice((h for h in found if h is not None), _NAMED)))
+        self._hold()
+        self.round.run(now, scan=None)
+
+    def _floods_due(self, now: float) -> bool:
+        """Nodes let go long enough are watched again; an episode with no open since ends, in one line, and
+        a round with a scan says what the GPU is now. True: a round ran."""
+        listen, ended = self.p.floods.due(now)
+        if listen or ended:
+            self._hold()
+        index_of = self.round.plan.index_of if self.round.plan is not None else {}
+        for e in ended:  # (not a short one: a CUDA program opens its nodes a few times as it starts)
+            if e.looks >= _SUMMED_LOOKS:
+                self.round.say(words.brief_opens(words.gpu(e.uuid, index_of), e.seconds, e.by, e.looks))
+        if ended:
+            self.round.run(now, scan="changed")
+        return bool(ended)
+
+    def guard(self) -> None:
+        """After a wake's rounds: a GPU let go that something of ours is on now is watched again at once,
+        and looked at as if opened (it may have been, while let go)."""
+        floods = self.p.floods
+        gone = floods.drop([u for u in floods.episodes if self._guarded(u)])
+        if gone:
+            self._hold()
+            self.p.opens.opened.update(p for p, u in self.p.observer.watch_targets().items() if u in gone)
+
+    def _hold(self) -> None:
+        """The nodes of the GPUs let go now are not watched; the others are."""
+        held = self.p.floods.held()
+        self.p.opens.hold(p for p, u in self.p.observer.watch_targets().items() if u in held)
+
+    # ------------------------------------------------------------------ opens no scan explained
 
     def look_again(self, now: float) -> None:
         """An open no scan explained, looked at again: its openers and the processes that changed."""

@@ -157,6 +157,9 @@ def _users_by_gpu(report: RoundReport, state_of: Dict[str, str]) -> Dict[str, st
         for uuid in h.gpus:
             if not h.ours_on(uuid) and state_of.get(uuid) == "foreign":
                 out.setdefault(uuid, set()).add(h.user)
+    for f in report.snapshot.open_floods:  # (whether or not a scan found them holding it this time)
+        if state_of.get(f.uuid) == "foreign":
+            out.setdefault(f.uuid, set()).update(h.user for h in f.by)
     sections = {p.name: p.user for p in report.config.processes}
     for w in report.workloads:
         for uuid in w["gpus"]:

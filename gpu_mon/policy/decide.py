@@ -219,6 +219,18 @@ def _unseen_reasons(uuid: str, rules: GpuSection, snap: Snapshot, seconds: float
     return []
 
 
+def _flood_reasons(uuid: str, rules: GpuSection, snap: Snapshot) -> List[Reason]:
+    """Its node opened again and again by a process its [gpu-*] section does not ignore and that does not
+    hold it now (a holder is said as one: a CUDA program opens its nodes a few times as it starts). An
+    opener that nobody saw makes it busy only as the scans find it: gpu-mon's own opens are among those."""
+    holding = {h.pid for h in snap.holders if uuid in h.gpus}
+    for f in snap.open_floods:
+        by = [h for h in f.by if not ignored(h, rules) and h.pid not in holding] if f.uuid == uuid else []
+        if by:
+            return [Reason(Busy.OPENS, who=_who(by[0]), count=len(by))]
+    return []
+
+
 def _queue_reasons(uuid: str, snap: Snapshot) -> List[Reason]:
     """A queue job runs on the GPU, or the queue's jobs cannot be known (`gpu-mon occupy` only: the
     daemon's own snapshots have neither)."""
@@ -259,6 +271,7 @@ def gpu_verdict(
     reasons += _queue_reasons(uuid, snap)
     reasons += _holder_reasons(uuid, rules, snap, first_seen)
     reasons += _unseen_reasons(uuid, rules, snap, unseen_seconds)
+    reasons += _flood_reasons(uuid, rules, snap)
     reasons += _nvml_reasons(uuid, rules, snap)
     reasons += _slurm_reasons(uuid, snap)  # (after what is observed: the log names the process first)
     return bool(reasons), reasons

@@ -125,6 +125,9 @@ class Busy:
     MEMORY = "memory_by_others"  # mib used by others, limit_mib = busy_memory_mib
     # its node opened by a process whose files cannot be read: who, the first that may have; count: how many
     UNSEEN = "unseen_open"
+    # its node opened and closed again and again while nothing of ours ran there: who, the first opener the
+    # kernel or a scan named; count: how many were named
+    OPENS = "brief_opens"
     # `gpu-mon occupy`: a job of gpu-mon's queue runs on it (job; who: its user and name, pid 0), or the
     # queue's jobs cannot be known (detail: why)
     QUEUE_JOB = "queue_job"

@@ -13,7 +13,7 @@ from gpu_mon.policy.decisions import Busy, Decision, Verdict
 
 STATES = ("harvesting", "foreign", "idle", "paused", "unknown")
 # someone else uses it (not: unreadable)
-FOREIGN_REASONS = (Busy.HOLDER, Busy.CONTEXT, Busy.MEMORY, Busy.UNSEEN, Busy.SLURM_JOB)
+FOREIGN_REASONS = (Busy.HOLDER, Busy.CONTEXT, Busy.MEMORY, Busy.UNSEEN, Busy.OPENS, Busy.SLURM_JOB)
 
 
 def gpu_state(verdict: Optional[Verdict], running: Optional[str], paused: bool) -> Tuple[str, str]:

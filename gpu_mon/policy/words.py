@@ -6,9 +6,9 @@ parts (process and user names, paths) are escaped here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
-from gpu_mon.api.model import Exited, gpu_label
+from gpu_mon.api.model import Exited, Holder, gpu_label
 from gpu_mon.api.text import sanitize
 from gpu_mon.policy.decisions import Busy, Reason, Restarting, Start, Stop, TerminalUse, Wait, Who
 
@@ -51,6 +51,9 @@ def reason(r: Reason) -> str:
     if r.kind == Busy.UNSEEN and r.who is not None:
         more = f", or one of {r.count - 1} others" if r.count > 1 else ""
         return f"opened by a process whose files cannot be read here ({who(r.who)}{more})"
+    if r.kind == Busy.OPENS and r.who is not None:
+        more = f" and {r.count - 1} more" if r.count > 1 else ""
+        return f"opened and closed again and again by {who(r.who)}{more}"
     if r.kind == Busy.CONTEXT:
         return _context(r)
     if r.kind == Busy.QUEUE_JOB and r.who is not None:
@@ -64,6 +67,16 @@ def reason(r: Reason) -> str:
     if r.kind == Busy.MEMORY:
         return f"{r.mib} MiB used by others (more than busy_memory_mib = {r.limit_mib})"
     return r.kind
+
+
+def brief_opens(gpu_label: str, seconds: float, by: Sequence[Holder], looks: int) -> str:
+    """The end of a GPU's opens again and again (engine/floods.py): `GPU 0 (GPU-...): opened and closed
+    again and again for 20 s by alice python3[4242] (21 of its opens looked at)`."""
+    names = ", ".join(f"{sanitize(h.user)} {sanitize(h.name)}[{h.pid}]" for h in by) or "a process not seen"
+    return (
+        f"{gpu_label}: opened and closed again and again for {seconds:.0f} s by {names} "
+        f"({looks} of its opens looked at)"
+    )
 
 
 def terminal(t: TerminalUse) -> str:

@@ -21,6 +21,9 @@ WAL, which outlives gpu-mon's crash but not the machine's): it is on the start's
 took 280 ms on a VM's shared disk, and a start lost with the machine changes nothing (its processes are
 gone too: the job runs again, as a requeued one would). The next durable commit (an end, a submit) puts
 it on disk first, so a job's end is never on disk without its start.
+
+The write-ahead log is truncated after a durable commit that leaves it over historydb.WAL_BYTES (a prune,
+a cancel of many big jobs; never on a start's path), so what one user makes root store stays near their cap.
 """
 
 from __future__ import annotations
@@ -300,7 +303,9 @@ class Store:
             if self._not_durable:  # (a reset that failed: never a durable write that is not)
                 self.conn.execute(f"PRAGMA synchronous={SYNCHRONOUS}")
                 self._not_durable = False
-            return self._committed(work)
+            out = self._committed(work)
+            self._trim()
+            return out
         self._not_durable = True
         self.conn.execute("PRAGMA synchronous=NORMAL")
         try:
@@ -309,6 +314,12 @@ class Store:
             with contextlib.suppress(historydb.Error):
                 self.conn.execute(f"PRAGMA synchronous={SYNCHRONOUS}")
                 self._not_durable = False
+
+    def _trim(self) -> None:
+        """Truncate a WAL that one transaction made big (see the module's text); a failure changes nothing
+        that was committed, and the next durable commit tries again."""
+        with contextlib.suppress(historydb.Error):
+            historydb.trim_wal(self.conn, self.path)
 
     def _committed(self, work: Callable[[], object]) -> object:
         try:
@@ -529,20 +540,27 @@ class Store:
         removed = 0
         while True:
             with self.lock:
-                needed, arrays = self._needed()
-                old = [
-                    i
-                    for i, j in self.jobs.items()
-                    if j.state in J.ENDED
-                    and j.ended is not None
-                    and j.ended < before
-                    and i not in needed
-                    and j.array_id not in arrays
-                ][:batch]
+                old = self._prunable(before, batch)
                 if not old:
                     return removed
                 self._delete(old)
                 removed += len(old)
+
+    def _prunable(self, before: float, batch: int) -> List[int]:
+        """The next jobs prune removes in one transaction: at most `batch`, and rows of about
+        historydb.WAL_BYTES at most (Debian's SQLite zeroes what it deletes: each byte goes through the
+        WAL)."""
+        needed, arrays = self._needed()
+        out: List[int] = []
+        size = 0
+        for i, j in self.jobs.items():
+            if len(out) >= batch or size >= historydb.WAL_BYTES:
+                break
+            old = j.state in J.ENDED and j.ended is not None and j.ended < before
+            if old and i not in needed and j.array_id not in arrays:
+                out.append(i)
+                size += self._size_of(j)
+        return out
 
     def change(
         self, job_id: int, edit: Callable[[Job], Optional[Job]], durable: bool = True
