@@ -95,6 +95,9 @@ class Container:
         argv = [setpriv, "--pdeathsig=TERM"] if setpriv else []
         argv += [tool, "--quiet", "--volatile=yes", "--directory=/", "--register=no", "--keep-unit"]
         argv += [f"--machine={self.name}", "--boot"]
+        # Let its systemd load the eBPF device programs of DevicePolicy=/DeviceAllow= (cgroup v2): nspawn's
+        # own filter refuses bpf(), and the container then enforces no device policy at all.
+        argv += ["--system-call-filter=bpf"]
         argv += [f"--bind-ro={p}" for p in self.binds_ro]
         argv += [f"--bind={src}:{dst}" for src, dst in self.binds_rw.items()]
         argv += ["systemd.firstboot=off"]

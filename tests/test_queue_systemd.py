@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -75,12 +76,24 @@ if mode == "stubborn" and restart == 0:
         os._exit(0)
     os.close(w)
     info["child"] = int(os.read(r, 32))
+if mode == "probe":  # opens every GPU's node: what each open gave
+    import errno
+    sim = json.load(open("/srv/gpu-mon-test/sim.json"))
+    info["probes"] = {}
+    for g in sim["gpus"]:
+        try:
+            os.close(os.open(os.path.join("/srv/gpu-mon-test", g["device"]), os.O_RDWR))
+            info["probes"][g["uuid"]] = "opened"
+        except OSError as e:
+            info["probes"][g["uuid"]] = errno.errorcode.get(e.errno, str(e.errno))
 path = os.path.join(env["HOME"], "qjob-" + tag + ".json")
 with open(path + ".new", "w") as f:
     json.dump(info, f)
 os.rename(path + ".new", path)
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
+if mode == "probe":
+    sys.exit(0)
 if mode == "term":
     os.kill(os.getpid(), signal.SIGTERM)
 if mode == "stubborn" and restart >= 1:
@@ -445,6 +458,59 @@ def test_a_stop_that_lasts_has_systemd_stop_the_jobs_which_go_back_to_the_queue(
     )
     found = lambda: re.search(said, lab.log(job).read_text(), re.M)  # noqa: E731
     wait_for(found, 10, f"the requeue's line in the log: {lab.log(job).read_text()!r}")
+
+
+@contextlib.contextmanager
+def _nodes_of_the_driver(lab: Lab) -> Iterator[None]:
+    """The simulated GPUs' nodes as the driver makes them: character devices of NVIDIA's major, minor =
+    index (with no driver loaded, an open the device cgroup lets through fails with ENXIO, one it refuses
+    with EPERM); gpu-mon restarted on them, and on the plain files again afterwards."""
+    host = lab.svc.host
+    made = []
+    try:
+        for i, g in enumerate(host.gpus):
+            node = host.dir / "dev" / f"char{i}"
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(transient.NVIDIA_MAJOR, i))
+            os.chmod(node, 0o666)  # (as the driver's: anyone may open it; mknod's mode went through the umask)
+            made.append(node)
+            g["device"] = f"dev/char{i}"
+        host.write()
+        lab.svc.systemctl("restart", UNIT)
+        yield
+    finally:
+        for i, g in enumerate(host.gpus):
+            g["device"] = f"dev/nvidia{i}"
+        host.write()
+        for node in made:
+            node.unlink()
+
+
+def test_a_job_can_open_only_its_own_gpus_node_and_disturbs_no_one_elses(lab: Lab):
+    with _nodes_of_the_driver(lab):
+        flag = f"/home/{USER}/qjob-go"
+        other = lab.submit("until", flag, "0")
+        theirs = lab.report(other, 0)["cuda"]
+        prober = lab.submit("probe")
+        info = lab.report(prober, 0)
+        mine = info["cuda"]
+        assert info["probes"][mine] == "ENXIO", info["probes"]  # (let through: no driver here)
+        assert [v for u, v in info["probes"].items() if u != mine] == ["EPERM", "EPERM"], info["probes"]
+        assert lab.wait_job(prober, "done")["exit_status"] == 0
+        # What its unit may open: its GPU's node by number, the driver's shared ones; no other GPU's.
+        unit = f"gpu-mon-job-{other}-r0.service"
+        index = next(i for i in range(3) if lab.svc.host.uuid(i) == theirs)
+        assert lab.box.show(unit, "DevicePolicy")["DevicePolicy"] == "closed"
+        allowed = lab.box.run(["systemctl", "show", unit, "--property=DeviceAllow"]).stdout
+        assert f"/dev/char/195:{index} rw" in allowed and "/dev/char/195:255 rw" in allowed, allowed
+        assert not [
+            f"/dev/char/195:{i} " for i in range(3) if i != index and f"/dev/char/195:{i} " in allowed
+        ]
+        # The refused open reached no one: the other job runs on, never stopped.
+        assert lab.job(other)["state"] == "running"
+        assert not [line for _t, line in lab.svc.lines() if "; stopping job" in line]
+        lab.box.run(["touch", flag])
+        assert lab.wait_job(other, "done")["exit_status"] == 0
+    assert theirs != mine
 
 
 def test_a_unit_systemd_refuses_fails_the_job_with_the_reason_in_the_log(lab: Lab):

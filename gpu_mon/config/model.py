@@ -184,6 +184,8 @@ class QueueSection:
     keep_finished_days: float = 7.0  # a finished job leaves the database after this long (0: never)
     launcher: str = "auto"  # auto (transient units where systemd runs the machine), systemd, direct
     unguarded_seconds: float = 120.0  # jobs' units outlive gpu-mon this long at most (unguarded.py)
+    confine_devices: bool = True  # a job's unit may open only its own GPUs (and the driver's shared nodes)
+    device_allow: Tuple[str, ...] = ()  # other devices a confined job may open (DeviceAllow=)
     line: int = 0
 
 

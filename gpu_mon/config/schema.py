@@ -1,6 +1,6 @@
-"""The config's schema: every kind of section and its keys, in one table (schema_daemon.py and
-schema_features.py hold the keys). The parser, `gpu-mon check`, gpu_mon.conf(5) and the comments of
-conf/gpu_mon.conf all follow it; tests fail when they drift apart."""
+"""The config's schema: every kind of section and its keys, in one table (schema_daemon.py,
+schema_features.py and schema_queue.py hold the keys). The parser, `gpu-mon check`, gpu_mon.conf(5) and
+the comments of conf/gpu_mon.conf all follow it; tests fail when they drift apart."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Callable, Dict, Tuple
 
 from gpu_mon.config.key import Key, SectionSpec
 from gpu_mon.config.schema_daemon import DEFAULTS, GPU, PROCESS, TTY
-from gpu_mon.config.schema_features import HISTORY, METRICS, OCCUPY, QUEUE, SENTINEL, SLURM
+from gpu_mon.config.schema_features import HISTORY, METRICS, OCCUPY, SENTINEL, SLURM
+from gpu_mon.config.schema_queue import QUEUE
 
 __all__ = ["SECTIONS", "Key", "SectionSpec", "parsers", "spec"]
 

@@ -1,5 +1,5 @@
-"""The keys of the sections that turn on a feature: [history], [metrics], [sentinel], [occupy], [queue],
-[slurm]. Each key's parser, default and doc are here and only here."""
+"""The keys of the sections that turn on a feature: [history], [metrics], [sentinel], [occupy], [slurm]
+([queue]'s are in schema_queue.py). Each key's parser, default and doc are here and only here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 from gpu_mon.config import values as v
 from gpu_mon.config.key import Key, SectionSpec, plain
-from gpu_mon.config.model import KILL_ACTIONS, QUEUE_ORDERS, SLURM_ACTIONS
+from gpu_mon.config.model import KILL_ACTIONS, SLURM_ACTIONS
 
 _WHO = "Both empty: everyone; root always may."
 
@@ -149,136 +149,6 @@ OCCUPY = SectionSpec(
             plain(v.boolean),
             "no",
             "yes: every occupier is polite, as with --yield.",
-        ),
-    ),
-)
-
-QUEUE = SectionSpec(
-    "queue",
-    "Users' own jobs on GPUs nobody else uses: `gpu-mon submit -- CMD`, `jobs`, `cancel`, `hold`, "
-    "`release`, `logs`. A job runs as the user who submitted it and yields to anyone else's use of its "
-    "GPUs (its stop signal, a grace, then SIGKILL), then goes back to the queue. Off unless this section "
-    "is written. Limits of 0 mean none.",
-    (
-        Key(
-            "socket",
-            "path",
-            v.path_under,
-            "/run/gpu_mon/queue.sock",
-            "The unix socket users' commands talk to (made 0666 in a root-owned 0755 directory).",
-        ),
-        Key(
-            "gpus",
-            "ALL or GPU list",
-            plain(v.parse_gpus),
-            "ALL",
-            "The GPUs jobs may use (only GPUs a [gpu-*] section names are ever used).",
-        ),
-        Key("users", "list of users", plain(v.names), "", f"Who may submit, by user name. {_WHO}"),
-        Key("groups", "list of groups", plain(v.names), "", f"Who may submit, by group. {_WHO}"),
-        Key("max_running_per_user", "whole number", plain(v.limit), "0", "Running jobs per user."),
-        Key("max_gpus_per_user", "whole number", plain(v.limit), "0", "GPUs in use per user."),
-        Key(
-            "max_queued_per_user",
-            "whole number, at least 1",
-            plain(v.count),
-            "1000",
-            "A user with this many unfinished jobs is refused another.",
-        ),
-        Key(
-            "max_array_size",
-            "whole number, at least 1",
-            plain(v.count),
-            "10000",
-            "The most elements one `submit --array` may queue; every index is below it (Slurm's "
-            "MaxArraySize). Each element counts as a job against max_queued_per_user.",
-        ),
-        Key(
-            "max_kept_per_user",
-            "whole number",
-            plain(v.limit),
-            "5000",
-            "The most jobs the database keeps for one user, finished ones included (never fewer than "
-            "max_queued_per_user; an array's elements each count). A submit that would pass it removes that "
-            "user's oldest finished jobs first (never another user's, never an unfinished one), and is "
-            "refused when that is not enough.",
-        ),
-        Key(
-            "max_stored_mib_per_user",
-            "MiB",
-            plain(v.mib),
-            "64",
-            "The most the database keeps of one user's jobs, in MiB: their commands, environments, "
-            "directories, names, outputs and hooks (an array's once), and about 300 bytes a job. A submit "
-            "that would pass it removes that user's oldest finished jobs first, and is refused when that "
-            "is not enough.",
-        ),
-        Key("max_gpus_per_job", "whole number", plain(v.limit), "0", "GPUs one job may ask for."),
-        Key(
-            "order",
-            " or ".join(QUEUE_ORDERS),
-            plain(v.choice(*QUEUE_ORDERS)),
-            "fair",
-            "Which queued job goes first: fair (the user with the fewest GPU-seconds over fair_window_hours "
-            "first, then priority, then submission order) or fifo (priority, then submission order).",
-        ),
-        Key("fair_window_hours", "hours", plain(v.hours), "24", "The window of fair order."),
-        Key(
-            "grace_seconds",
-            "seconds",
-            plain(v.seconds),
-            "30",
-            "The grace between a job's stop signal and SIGKILL (`submit --grace`).",
-        ),
-        Key("max_grace_seconds", "seconds", plain(v.seconds), "600", "The longest grace a job may ask for."),
-        Key(
-            "start_delay_seconds",
-            "seconds, or empty",
-            plain(v.optional(v.seconds)),
-            "",
-            "How long a GPU must stay free before a job starts on it (empty: [defaults] "
-            "start_delay_seconds).",
-            "5",
-        ),
-        Key(
-            "preempt_workloads",
-            "boolean",
-            plain(v.boolean),
-            "yes",
-            "yes: a queued job takes a GPU from a [process-*] workload (which gets its full grace).",
-        ),
-        Key(
-            "database",
-            "path",
-            v.path_under,
-            "/var/lib/gpu_mon/queue.sqlite",
-            "The queue's database (SQLite). Jobs are written here before `submit` answers.",
-        ),
-        Key(
-            "launcher",
-            "auto, systemd or direct",
-            plain(v.choice("auto", "systemd", "direct")),
-            "auto",
-            "How jobs are started. auto: where systemd runs the machine (and gpu-mon runs as root), each "
-            "job is a transient service unit of its own (in gpu_mon_jobs.slice); elsewhere a child of "
-            "gpu-mon. systemd: always a transient unit; direct: always a child.",
-        ),
-        Key(
-            "unguarded_seconds",
-            "seconds",
-            plain(v.positive_seconds),
-            "120",
-            "With transient units: jobs keep running through a restart, an upgrade or a crash of gpu-mon; "
-            "when gpu-mon has been away this long (a stop that lasts, a failed start), systemd stops them "
-            "(their stop signal and grace) and they go back to the queue.",
-        ),
-        Key(
-            "keep_finished_days",
-            "days",
-            plain(v.seconds),
-            "7",
-            "Finished jobs leave the database after this many days (never sooner than fair_window_hours); "
-            "checked hourly. 0: kept for ever.",
         ),
     ),
 )

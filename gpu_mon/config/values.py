@@ -117,6 +117,20 @@ def names(value: str) -> Tuple[str, ...]:
     return tuple(items)
 
 
+_DEVICE_CLASS = re.compile(r"^(char|block)-[A-Za-z0-9_.+-]+$")
+_DEVICE_PATH = re.compile(r"^/dev/[A-Za-z0-9_./:+-]+$")
+
+
+def devices(value: str) -> Tuple[str, ...]:
+    """Devices a job may open besides its GPUs, as systemd's DeviceAllow= takes them: a node under /dev
+    (`/dev/fuse`, `/dev/char/10:229`) or a class of /proc/devices (`char-infiniband_verbs`)."""
+    items = names(value)
+    for item in items:
+        if ".." in item.split("/") or not (_DEVICE_CLASS.match(item) or _DEVICE_PATH.match(item)):
+            raise ValueError(f"{item!r} is not a device under /dev nor a class like char-NAME or block-NAME")
+    return items
+
+
 def parse_gpus(value: str) -> GpuSelection:
     """`ALL`, or a comma-separated list of NVML indices and UUIDs; ValueError naming what is wrong."""
     if value.strip().upper() == "ALL":

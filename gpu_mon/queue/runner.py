@@ -115,6 +115,7 @@ class Queue:
         self.exits: List[Exited] = []
         self.finder = Finder(self)  # the jobs an earlier daemon left
         self.let_go: Set[int] = set()  # units left running as gpu-mon stops (they outlive it)
+        self.nodes: Dict[str, str] = {}  # GPU -> its device node, as the last look saw it
         self.next_wake: Optional[float] = None
         self.dirty = True
         self.plan: Optional[placement.Placement] = None  # the last placement, and what it was made from
@@ -271,6 +272,7 @@ class Queue:
     def take_jobs(self, snap: Snapshot) -> Snapshot:
         """The snapshot as the policy must see it: jobs' workloads and exits are the queue's."""
         self.exits.extend(e for e in snap.exited if e.key.startswith(PREFIX))
+        self.nodes = {g.uuid: g.device for g in snap.reading.gpus if g.uuid and g.device}
         return dataclasses.replace(
             snap,
             running=tuple(r for r in snap.running if not r.key.startswith(PREFIX)),
@@ -619,6 +621,12 @@ class Queue:
         self.finder.lost(job, why)
         return True
 
+    def _devices(self, gpus: Tuple[str, ...]) -> Optional[List[str]]:
+        """What a job's unit may open (`confine_devices`): its GPUs' nodes, none of the others'."""
+        if not self.q.confine_devices:
+            return None
+        return transient.device_allow([self.nodes.get(u, "") for u in gpus], self.q.device_allow)
+
     def unit_said(self, job: Job) -> str:
         """What the unit of the job's run wrote before its output was open (systemd; "" when nothing);
         its files removed."""
@@ -649,6 +657,7 @@ class Queue:
             *(name, what, direct.argv, env_path, job.uid, job.gid, job.stop_signal, job.grace, end_file),
             main_only=job.stop_main_only,
             stderr=transient.stderr_file(self.run_dir, name),
+            devices=self._devices(gpus),
         )
         unit = Unit(name, transient.unit_group(name))
         return Launch(

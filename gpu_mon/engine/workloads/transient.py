@@ -22,9 +22,10 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from gpu_mon.api import procfs
 from gpu_mon.engine.workloads import cgroups, ends
@@ -182,13 +183,15 @@ def command(
     main_only: bool = False,
     stderr: Optional[str] = None,
     runtime_max: Optional[float] = None,
+    devices: Optional[Sequence[str]] = None,
 ) -> List[str]:
     """The `systemd-run` command line that runs `argv` as a transient service of its user, with the
     environment in `env_path` (`env_file`; never on the command line) (`end_file`: where the unit records
     its end itself, ends.py; `main_only`: its stop signal goes to its main process alone, SIGKILL to all,
     when systemd stops it; `stderr`: a file the unit's standard error goes to, made by `stderr_file`,
     instead of the journal; `runtime_max`: systemd ends it after that many seconds, and systemd-run says
-    nothing but its exit status, as for a hook). The unit is bound to nothing: it outlives gpu-mon."""
+    nothing but its exit status, as for a hook; `devices`: it may open only these devices, `device_allow`'s
+    result). The unit is bound to nothing: it outlives gpu-mon."""
     out = ["systemd-run", "--wait", f"--unit={unit}", f"--uid={uid}", f"--gid={gid}"]
     if runtime_max is not None:
         out += ["--quiet", "-p", f"RuntimeMaxSec={runtime_max:g}"]
@@ -206,12 +209,40 @@ def command(
         mark = ends.stop_mark(end_file)
         out += ["-p", f"ExecStop=+/bin/sh -c {_sh(_MARK_STOP)} gpu-mon-stopped {mark}"]
         out += ["-p", f"ExecStopPost=+/bin/sh -c {_sh(_RECORD_END)} gpu-mon-end {end_file}"]
+    if devices is not None:  # (`device_allow`: the only devices it may open besides the pseudo devices)
+        out += ["-p", "DevicePolicy=closed"]
+        out += [x for d in devices for x in ("-p", f"DeviceAllow={d} rw")]
     if env_path:
         # "-": systemd reads it for each of the unit's commands, its ExecStop= and ExecStopPost= too, by
         # when it may be gone (with /run/gpu_mon, which systemd removes as gpu-mon's unit stops)
         out += ["-p", f"EnvironmentFile=-{env_path}"]
     out += ["--", *[escape(a) for a in argv]]
     return out
+
+
+# The driver's nodes every CUDA program opens, shared by all GPUs: nvidiactl and nvidia-modeset (the last
+# two minors of the GPUs' own major, fixed by the driver), and the classes of nvidia-uvm (CUDA's memory
+# manager), nvidia-caps (MIG) and the IMEX channels (a class the running driver does not register is
+# skipped by systemd).
+NVIDIA_MAJOR = 195
+SHARED_NODES = (f"/dev/char/{NVIDIA_MAJOR}:255", f"/dev/char/{NVIDIA_MAJOR}:254")
+SHARED_CLASSES = ("char-nvidia-uvm", "char-nvidia-caps", "char-nvidia-caps-imex-channels")
+
+
+def device_allow(nodes: Sequence[str], extra: Sequence[str]) -> List[str]:
+    """What a confined job may open (systemd's DeviceAllow=, named by numbers: systemd takes
+    /dev/char/MAJOR:MINOR without looking at the disk, and would refuse a path outside /dev): its GPUs'
+    nodes (the character devices at `nodes`; a node that is not one, a simulator's file, needs nothing),
+    the driver's shared nodes, and the admin's `extra`. Every other GPU's node is refused (EPERM)."""
+    own = []
+    for path in nodes:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # (a GPU without its node counts as busy: never a job's)
+        if stat.S_ISCHR(st.st_mode):
+            own.append(f"/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+    return [*dict.fromkeys(own), *SHARED_NODES, *SHARED_CLASSES, *extra]
 
 
 def _sh(script: str) -> str:
