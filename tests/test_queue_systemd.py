@@ -100,10 +100,12 @@ if mode == "stubborn" and restart >= 1:
     time.sleep(1)
     sys.exit(0)
 if mode == "until":  # until a file is there, then exit CODE; each SIGTERM or SIGUSR1 noted, TERM ends it
+    linger = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # (after TERM: a checkpoint that takes time)
     def noted(signum, frame):
         with open(os.path.join(env["HOME"], "qjob-" + tag + ".signals"), "a") as f:
             f.write(signal.Signals(signum).name + "\n")
         if signum == signal.SIGTERM:
+            time.sleep(linger)
             sys.exit(143)
     for s in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(s, noted)
@@ -389,6 +391,30 @@ def test_a_killed_daemon_leaves_its_job_running_and_the_next_one_yields_it(lab: 
     assert not lab.unit_lines(f"gpu-mon-job-{job}-r2.service"), "the job ran a third time"
 
 
+def test_a_job_that_ends_while_gpu_mon_hangs_and_the_watchdog_kills_it_runs_once(lab: Lab):
+    """The issue's case: gpu-mon hangs (SIGSTOP), the job exits 3 meanwhile, the watchdog kills gpu-mon,
+    systemd removes /run/gpu_mon... and starts it again: the job ends failed with its 3, never runs again."""
+    lab.box.write(f"{under.DROP_INS}/test-watchdog.conf", "[Service]\nWatchdogSec=2s\nTimeoutAbortSec=2s\n")
+    try:
+        lab.svc.systemctl("daemon-reload")
+        lab.svc.systemctl("restart", UNIT)
+        flag = f"/home/{USER}/qjob-go"
+        job = lab.submit("until", flag, "3")
+        lab.report(job, 0)
+        hung = time.time()
+        lab.svc.systemctl("kill", "--signal=SIGSTOP", "--kill-whom=main", UNIT)
+        lab.box.run(["touch", flag])
+        lab.svc.wait_line(r"Watchdog timeout \(limit 2s\)!", after=hung)
+        said = rf"^queue: job {job} exited with status 3 while gpu-mon was not there to see it: failed$"
+        lab.svc.wait_line(said, after=hung, timeout=60)
+        failed = lab.wait_job(job, "failed")
+    finally:
+        lab.box.run(["rm", "-f", f"{under.DROP_INS}/test-watchdog.conf"])
+        lab.svc.systemctl("daemon-reload")
+    assert (failed["exit_status"], failed["restarts"]) == (3, 0)
+    assert not lab.unit_lines(f"gpu-mon-job-{job}-r1.service"), "the finished job ran again"
+
+
 def test_a_gpu_someone_took_while_gpu_mon_was_away_is_yielded_at_the_first_look(lab: Lab):
     job = lab.submit("stubborn")
     info = lab.report(job, 0)
@@ -434,7 +460,7 @@ def test_a_stop_that_lasts_has_systemd_stop_the_jobs_which_go_back_to_the_queue(
     _write_config(lab.box, CONFIG + "unguarded_seconds = 2\n")
     lab.svc.systemctl("restart", UNIT)
     flag = f"/home/{USER}/qjob-go"
-    job = lab.submit("until", flag, "0")
+    job = lab.submit("until", flag, "0", "4", options=("--grace", "8"))
     info = lab.report(job, 0)
     lab.svc.systemctl("stop", UNIT)
     stopped = time.time()
@@ -444,7 +470,10 @@ def test_a_stop_that_lasts_has_systemd_stop_the_jobs_which_go_back_to_the_queue(
     took = time.time() - stopped
     assert 1.5 < took < 2 + 5, took
     assert signals.read_text() == "SIGTERM\n"
+    termed = time.time()
+    # Its grace is its own (8 s, its unit's TimeoutStopSec=): its 4 s checkpoint is not cut short.
     wait_for(lambda: not lab.alive(info["pid"]), 10, "the job gone")
+    assert time.time() - termed > 3.5, time.time() - termed
     assert lab.box.show(f"gpu-mon-job-{job}-r0.service", "ActiveState")["ActiveState"] in (
         "inactive",
         "failed",
@@ -471,7 +500,9 @@ def _nodes_of_the_driver(lab: Lab) -> Iterator[None]:
         for i, g in enumerate(host.gpus):
             node = host.dir / "dev" / f"char{i}"
             os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(transient.NVIDIA_MAJOR, i))
-            os.chmod(node, 0o666)  # (as the driver's: anyone may open it; mknod's mode went through the umask)
+            os.chmod(
+                node, 0o666
+            )  # (as the driver's: anyone may open it; mknod's mode went through the umask)
             made.append(node)
             g["device"] = f"dev/char{i}"
         host.write()
