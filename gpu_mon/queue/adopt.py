@@ -26,7 +26,7 @@ from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
 from gpu_mon.engine.workloads import ends, transient, unguarded
 from gpu_mon.engine.workloads.stopping import StopRule
-from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
+from gpu_mon.engine.workloads.supervisor import StartError, Supervisor, unit_launch
 from gpu_mon.engine.workloads.transient import Unit
 from gpu_mon.policy import words
 from gpu_mon.policy.decisions import Instance
@@ -100,16 +100,8 @@ class Finder:
         """Run a client that waits for the unit's end, under a leader, as the job's workload."""
         q = self.queue
         end_file = q.end_path(job)
-        launch = Launch(
-            argv=tuple(transient.wait_command(end_file, str(unit.group))),
-            dir="/",
-            env=transient.CLIENT_ENV,
-            uid=0,
-            gid=0,
-            unit=unit,
-            end_file=end_file,
-            guard_seconds=q.q.unguarded_seconds,
-        )
+        argv = transient.wait_command(end_file, str(unit.group))
+        launch = unit_launch(argv, unit, end_file, q.q.unguarded_seconds)
         key = f"job:{job.id}"
         rule = StopRule(job.stop_signal, job.grace, job.grace, main_only=job.stop_main_only)
         try:
@@ -190,15 +182,7 @@ class Finder:
         if self.disarming is not None:
             return
         try:
-            self.disarming = subprocess.Popen(
-                unguarded.disarm_argv(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=dict(transient.CLIENT_ENV),
-                cwd="/",
-                start_new_session=True,
-            )
+            self.disarming = transient.client(unguarded.disarm_argv())
         except OSError as err:
             log.warning("queue: cannot disarm %s.timer: %s", unguarded.UNIT, err)
             return

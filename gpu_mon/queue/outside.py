@@ -84,15 +84,7 @@ class UserUnits:
     @staticmethod
     def _client(argv: List[str]) -> subprocess.Popen:
         """The `systemd-run --wait` client, in a group of its own, as root."""
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=dict(transient.CLIENT_ENV),
-            cwd="/",
-            start_new_session=True,
-        )
+        return transient.client(argv)
 
     def note(self, job: Job, text: str) -> bool:
         """Append `text` to the job's log as its user (started, not waited for: whether it could be)."""

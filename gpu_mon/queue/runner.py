@@ -32,7 +32,7 @@ from gpu_mon.config import Config, QueueSection
 from gpu_mon.engine.lock import DaemonLock
 from gpu_mon.engine.workloads import ends, transient
 from gpu_mon.engine.workloads.stopping import StopRule
-from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
+from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor, unit_launch
 from gpu_mon.engine.workloads.transient import Unit
 from gpu_mon.policy import words
 from gpu_mon.policy.decisions import Decision, Instance, Start, Wait
@@ -660,16 +660,7 @@ class Queue:
             devices=self._devices(gpus),
         )
         unit = Unit(name, transient.unit_group(name))
-        return Launch(
-            argv=tuple(argv),
-            dir="/",
-            env=transient.CLIENT_ENV,
-            uid=0,
-            gid=0,
-            unit=unit,
-            end_file=end_file,
-            guard_seconds=self.q.unguarded_seconds,
-        )
+        return unit_launch(argv, unit, end_file, self.q.unguarded_seconds)
 
 
 def _cancel_queued(job: Job, wall: float, reason: str) -> Optional[Job]:

@@ -34,7 +34,7 @@ from gpu_mon.api import procfs
 from gpu_mon.api.model import Exited, Running
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import ProcessSection
-from gpu_mon.engine.workloads import cgroups, linux
+from gpu_mon.engine.workloads import cgroups, linux, transient
 from gpu_mon.engine.workloads.leader import MAIN_STOP
 from gpu_mon.engine.workloads.stopping import StopRule, signal_name
 from gpu_mon.engine.workloads.transient import Unit
@@ -80,6 +80,20 @@ class Launch:
     end_file: Optional[str] = None
     # a unit's: how long it may run on once the daemon is gone (unguarded.py; None: no guard)
     guard_seconds: Optional[float] = None
+
+
+def unit_launch(argv: List[str], unit: Unit, end_file: str, guard_seconds: float) -> Launch:
+    """A client of a job's transient unit (its systemd-run, or unitwait.py's after a restart), as root."""
+    return Launch(
+        argv=tuple(argv),
+        dir="/",
+        env=transient.CLIENT_ENV,
+        uid=0,
+        gid=0,
+        unit=unit,
+        end_file=end_file,
+        guard_seconds=guard_seconds,
+    )
 
 
 @dataclass

@@ -104,6 +104,20 @@ def wait_command(end_file: str, group: str) -> List[str]:
     return [sys.executable, "-I", "-S", "-c", _WAIT_CODE.format(_PACKAGE_PARENT), end_file, group]
 
 
+def client(argv: List[str]) -> subprocess.Popen:
+    """A `systemd-run` or `systemctl` of ours, as root, in a group of its own, not waited for here.
+    OSError if it cannot be started."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(CLIENT_ENV),
+        cwd="/",
+        start_new_session=True,
+    )
+
+
 def unit_name(job_id: int, restarts: int) -> str:
     """One run's unit: a new run never meets an old one still stopping."""
     return f"gpu-mon-job-{job_id}-r{restarts}.service"
