@@ -78,7 +78,7 @@ class Finder:
         for job in q.store.all():
             if job.state not in J.LIVE:
                 continue
-            if q.systemd:
+            if q.systemd or _unit_of(job).populated():  # (a unit runs on when `launcher` changed)
                 self._unit(job)
             else:
                 self._direct(job)
@@ -87,8 +87,7 @@ class Finder:
 
     def _unit(self, job: Job) -> None:
         """A unit's run: taken over while it runs; else its recorded end, or back in the queue."""
-        name = transient.unit_name(job.id, job.restarts)
-        unit = Unit(name, transient.unit_group(name))
+        unit = _unit_of(job)
         if _alive(job.leader_pid, job.leader_ticks):
             self.old_leaders.append((job.leader_pid, job.leader_ticks))
         if unit.populated() and self._take_over(job, unit):
@@ -237,6 +236,11 @@ class Finder:
         q.note(new, f"gpu-mon: job {J.ref(job)} at {at(when)}: {why}; {then}")
         q.force_place = True
         return new
+
+
+def _unit_of(job: Job) -> Unit:
+    name = transient.unit_name(job.id, job.restarts)
+    return Unit(name, transient.unit_group(name))
 
 
 def _alive(pid: int, ticks: int) -> bool:

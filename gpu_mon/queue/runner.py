@@ -577,7 +577,8 @@ class Queue:
     def _exited(self, ex: Exited, wall: float) -> None:
         """One job's run ended: the store, its unit's files, and one line."""
         job = self.store.get(_job_id(ex.key) or 0)
-        if job is not None and self.systemd and self._not_its_own(job, ex):
+        unit = job is not None and (self.systemd or job.id in self.finder.taken)
+        if job is not None and unit and self._not_its_own(job, ex):
             return
         new = self.store.change(
             _job_id(ex.key) or 0,
