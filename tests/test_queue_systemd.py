@@ -474,10 +474,9 @@ def test_a_stop_that_lasts_has_systemd_stop_the_jobs_which_go_back_to_the_queue(
     # Its grace is its own (8 s, its unit's TimeoutStopSec=): its 4 s checkpoint is not cut short.
     wait_for(lambda: not lab.alive(info["pid"]), 10, "the job gone")
     assert time.time() - termed > 3.5, time.time() - termed
-    assert lab.box.show(f"gpu-mon-job-{job}-r0.service", "ActiveState")["ActiveState"] in (
-        "inactive",
-        "failed",
-    )
+    unit = f"gpu-mon-job-{job}-r0.service"
+    ended = lambda: lab.box.show(unit, "ActiveState")["ActiveState"] in ("inactive", "failed")  # noqa: E731
+    wait_for(ended, 10, f"{unit} ended (its ExecStopPost= run)")
     lab.svc.systemctl("start", UNIT)
     lab.box.run(["touch", flag])
     again = lab.wait_job(job, "done", restarts=1)
