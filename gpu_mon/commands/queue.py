@@ -137,7 +137,12 @@ def socket_path(args: argparse.Namespace) -> str:
 
 
 def _ask(socket: str, req: dict) -> dict:
-    return _answer(request(socket, req))
+    """The daemon's answer (`_answer`); why it came late, one line on stderr (the daemon slowed this
+    user's requests: `wait`, asking again and again, does not say it)."""
+    answer = _answer(request(socket, req))
+    if answer.get("slowed"):
+        print(f"gpu-mon: {sanitize(str(answer['slowed']))}", file=sys.stderr)
+    return answer
 
 
 def _answer(answer: dict) -> dict:

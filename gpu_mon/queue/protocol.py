@@ -150,6 +150,6 @@ def _join(answer: dict, page: dict) -> None:
             old.extend(value)
         elif isinstance(value, dict) and isinstance(old, dict):
             old.update(value)
-        elif isinstance(value, dict) and key not in answer:
+        elif isinstance(value, (dict, str)) and key not in answer:  # (`slowed`: said in a later page)
             answer[key] = value
     answer["continued"] = page.get("continued", False)
