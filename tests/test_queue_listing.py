@@ -13,7 +13,7 @@ import pytest
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import LIST_COMMAND, Listing, command_json, elapsed
+from gpu_mon.queue.listing import LIST_COMMAND, LIST_REASON, Listing, command_json, elapsed, listed_reason
 from gpu_mon.queue.placement import Waiting
 from gpu_mon.queue.protocol import _join
 from gpu_mon.queue.requests import Peer, Requests, View, _described, describe, shared_of
@@ -162,3 +162,24 @@ def test_a_listing_of_five_cancelled_arrays_of_a_long_argument_is_small_and_give
         "1": {"command": ["true", "\x01" * 60000], "command_cut": False}
     }
     store.close()
+
+
+def test_a_long_reason_is_cut_in_a_listing_and_whole_when_named():
+    """A reason that names a long path (an element that could not open its output: up to 4096 bytes, each
+    escaped to six) ends in "..." at LIST_REASON characters; a listing that names the job gives it whole."""
+    listing, view = Listing(), View()
+    path = "/x/" + "\x01" * 4000
+    failed = dataclasses.replace(
+        J.ended(J.started(job(id=40, array_id=40), ("GPU-a",), 1.7e9, 1, 1), 1.7e9 + 1, 1),
+        reason=f"cannot open {path}: No such file or directory",
+        preempted_reason=f"GPU 0 busy: {path}",
+    )
+    got = describe(failed, view, 0)
+    assert len(got["reason"]) == LIST_REASON and got["reason"].startswith("cannot open /x/\x01")
+    assert got["reason"].endswith("...") and got["preempted_reason"].endswith("...")
+    assert json.loads(listing.encoded(failed, got["reason"], ())) == got
+    assert len(listing.encoded(failed, got["reason"], ())) < 2 * 6 * LIST_REASON + 600
+    named = describe(failed, view, 0, whole=True)
+    assert named["reason"] == failed.reason and named["preempted_reason"] == failed.preempted_reason
+    assert json.loads(listing.encoded(failed, named["reason"], (), whole=True)) == named
+    assert listed_reason("waiting: 3 jobs ahead") == "waiting: 3 jobs ahead"

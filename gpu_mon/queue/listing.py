@@ -3,8 +3,9 @@
 What a listing holds of each job is small whatever the job (issue 46: one user's five 1000-element arrays
 of a 60 KB argument made every user's `jobs --all --json` 296 MB): an array's elements carry no command,
 the listing gives each array's once (`shared`, under "arrays"); a command whose JSON is over LIST_COMMAND
-bytes is listed cut (its first arguments, the last one cut short; "command_cut": true) unless the request
-names its jobs (`whole`).
+bytes is listed cut (its first arguments, the last one cut short; "command_cut": true), and a reason over
+LIST_REASON characters (one that names a long path: a job that could not open its output) ends in "...",
+unless the request names its jobs (`whole`).
 
 Each job's JSON is kept in three fixed pieces around the two that change without the job changing (its
 waiting reason, from the last placement, and its GPUs' indices). A Job is a new object whenever it
@@ -31,6 +32,7 @@ _ISO: Dict[int, str] = {}  # whole seconds -> local ISO time (jobs submitted in 
 KEEP_ONE = 16 * 1024  # bytes of one job's JSON kept between listings, at most
 KEEP_ALL = 64 << 20  # bytes kept for every job together, at most
 LIST_COMMAND = 4096  # bytes of a command's JSON in a listing that does not name its jobs, at most
+LIST_REASON = 300  # characters of a reason in such a listing, at most
 
 
 def iso(t: Optional[float]) -> Optional[str]:
@@ -111,6 +113,11 @@ def _fitting(arg: str, room: int) -> int:
     return low
 
 
+def listed_reason(text: str, whole: bool = False) -> str:
+    """A reason as a listing gives it: over LIST_REASON characters, cut to them with "..." (not `whole`)."""
+    return text if whole or len(text) <= LIST_REASON else text[: LIST_REASON - 3] + "..."
+
+
 def _command_field(command: Iterable[str], whole: bool) -> str:
     text, cut = command_json(command, whole)
     return f',"command":{text},"command_cut":{"true" if cut else "false"}'
@@ -129,12 +136,13 @@ def _pieces(j: Job, whole: bool = False) -> Tuple[bytes, bytes, bytes]:
     )
     gpus = f',"gpus":{_strings(j.gpus if j.state in J.LIVE else ())},"gpu_indices":'
     command = "" if j.array_id else _command_field(j.command, whole)  # (an element's: its array's, once)
+    preempted = _string(listed_reason(j.preempted_reason, whole))
     tail = (
         f',"gpus_wanted":{_value(j.gpus_wanted)},"priority":{_value(j.priority)},'
         f'"submitted":{_time(j.submitted)},"started":{_time(j.started)},"ended":{_time(j.ended)},'
         f'"restarts":{_value(j.restarts)},"exit_status":{_value(j.exit_status)},'
         f'"signal":{_value(j.signal or None)},"run_seconds":{_value(run_seconds(j))},'
-        f'"preempted":{_time(j.preempted_at)},"preempted_reason":{_string(j.preempted_reason)}'
+        f'"preempted":{_time(j.preempted_at)},"preempted_reason":{preempted}'
         f'{command},"array_id":{_value(j.array_id or None)},'
         f'"array_index":{_value(j.array_index if j.array_id else None)}}}'
     )
@@ -142,9 +150,10 @@ def _pieces(j: Job, whole: bool = False) -> Tuple[bytes, bytes, bytes]:
 
 
 def _may_be_cut(j: Job) -> bool:
-    """Whether j's command may be cut in a listing (False: never; True: its JSON may be over LIST_COMMAND
-    bytes, each character at most 12 of them)."""
-    return not j.array_id and sum(len(a) + 3 for a in j.command) * 12 > LIST_COMMAND
+    """Whether j's fixed pieces may be cut in a listing (False: never; True: its command's JSON may be
+    over LIST_COMMAND bytes, each character at most 12 of them, or its preemption's reason is long)."""
+    long_command = not j.array_id and sum(len(a) + 3 for a in j.command) * 12 > LIST_COMMAND
+    return long_command or len(j.preempted_reason) > LIST_REASON
 
 
 class Listing:
@@ -153,7 +162,7 @@ class Listing:
     def __init__(self) -> None:
         # job id -> (the job, its reason and indices when last encoded, its three pieces, the whole)
         self._kept: Dict[int, tuple] = {}
-        self.kept_bytes = 0  # of the pieces and wholes kept
+        self.kept_bytes = 0  # of the pieces and wholes kept, and of the arrays' shared values
         self._arrays: Dict[int, bytes] = {}  # array id -> what its elements share (at most LIST_COMMAND + 40)
 
     def encoded(self, j: Job, reason: str, indices: tuple, whole: bool = False) -> bytes:
@@ -180,7 +189,10 @@ class Listing:
             return shared(j, whole=True)
         made = self._arrays.get(j.array_id)
         if made is None:
-            made = self._arrays[j.array_id] = shared(j)
+            made = shared(j)
+            if self.kept_bytes + len(made) <= KEEP_ALL:
+                self._arrays[j.array_id] = made
+                self.kept_bytes += len(made)
         return made
 
     def prepare(self, j: Job) -> None:
@@ -205,7 +217,7 @@ class Listing:
         wanted, wanted_arrays = set(ids), set(arrays)
         self._kept = {i: v for i, v in self._kept.items() if i in wanted}
         self._arrays = {i: v for i, v in self._arrays.items() if i in wanted_arrays}
-        self.kept_bytes = sum(map(_size, self._kept.values()))
+        self.kept_bytes = sum(map(_size, self._kept.values())) + sum(map(len, self._arrays.values()))
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -26,7 +26,7 @@ from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import Listing, command_json, iso, run_seconds
+from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
@@ -355,7 +355,7 @@ class Requests:
         return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(_named_ids(self.store.all(), peer.uid, wanted)))
 
     def _encoded(self, j: Job, view: View, now: float, whole: bool) -> bytes:
-        reason = reason_of(j, view, now)
+        reason = listed_reason(reason_of(j, view, now), whole)
         indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
         return self.listing.encoded(j, reason, indices, whole)
 
@@ -626,7 +626,7 @@ def describe(j: Job, view: View, now: float, whole: bool = False) -> dict:
     """A job as `jobs --json` shows it (an array's element without its command: the listing's "arrays"
     has it, as `shared_of` says)."""
     indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-    return _described(j, reason_of(j, view, now), indices, whole)
+    return _described(j, listed_reason(reason_of(j, view, now), whole), indices, whole)
 
 
 def shared_of(j: Job, whole: bool = False) -> dict:
@@ -674,7 +674,7 @@ def _described(j: Job, reason: str, indices: tuple, whole: bool = False) -> dict
         "signal": j.signal or None,
         "run_seconds": run_seconds(j),
         "preempted": iso(j.preempted_at),
-        "preempted_reason": j.preempted_reason,
+        "preempted_reason": listed_reason(j.preempted_reason, whole),
         **command,
         "array_id": j.array_id or None,
         "array_index": j.array_index if j.array_id else None,
