@@ -7,11 +7,12 @@
 For this checkout, then for --baseline (a git ref of this checkout, extracted and run the same way; ''
 for none), a real `gpu-mon run` (root) with a [queue] on two simulated GPUs. A hostile user (nobody)
 submits --jobs held jobs, each with a 64 KiB argument whose every byte JSON escapes to six (\\u0001), then
-for --seconds keeps open at once: --stalled clients that ask for `jobs`, read 16 bytes and stop reading;
---churn clients that ask for `jobs`, read 16 bytes and close (again and again); --half clients that send
-a 1 MiB frame but its last byte. Each is reopened when the daemon closes it. Meanwhile another user
-(root) submits a held job every 0.1 s; each submit's time to its answer is measured (60 s at most).
-Afterwards, with the load gone, `gpu-mon jobs --json` lists every job (this version's own command).
+for --seconds keeps open at once: --stalled clients that ask for `jobs` of those jobs (named: their
+commands whole), read 16 bytes and stop reading; --churn clients that ask for the same, read 16 bytes and
+close (again and again); --half clients that send a 1 MiB frame but its last byte. Each is reopened when
+the daemon closes it. Meanwhile another user (root) submits a held job every 0.1 s; each submit's time to
+its answer is measured (60 s at most). Afterwards, with the load gone, `gpu-mon jobs --json` lists every
+job (this version's own command).
 
 The daemon's memory is read from /proc/PID/status: VmRSS before the load, VmHWM (peak) at the end. A
 daemon whose VmRSS passes --cap-mb is stopped there (the machine's memory is shared): its peak reads
@@ -45,8 +46,9 @@ PROG = "bench/queue_memory.py"
 DEFAULT_BASELINE = "7c4bf7b"  # before answers in pages and the limits on what one user's clients hold
 ARG_BYTES = 65000  # of "\x01": 6 bytes each in JSON (the command's limit is 64 KiB)
 
-# The hostile user's clients: `submit N` submits N held jobs; `load STALLED CHURN HALF` runs the load
-# until SIGTERM, then prints what it saw as JSON.
+# The hostile user's clients: `submit N` submits N held jobs; `load STALLED CHURN HALF N` runs the load
+# (its `jobs` asks name the N jobs: ids 1..N in a fresh database) until SIGTERM, then prints what it saw as
+# JSON.
 HOSTILE = r"""
 import json, os, select, signal, socket, struct, sys, time
 path, mode = sys.argv[1], sys.argv[2]
@@ -70,8 +72,9 @@ if mode == "submit":
             sys.exit("submit refused: " + str(answer.get("error")))
         s.close()
     sys.exit(0)
-stalled, churn, half = (int(v) for v in sys.argv[3:6])
-ASK = frame({"op": "jobs", "all": True})
+stalled, churn, half, jobs = (int(v) for v in sys.argv[3:7])
+# (named: a listing that names its jobs gives their commands whole; since 2026-11-28 others cut them)
+ASK = frame({"op": "jobs", "all": True, "ids": list(range(1, jobs + 1))})
 BIG = 1 << 20
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -261,7 +264,7 @@ def measure(run: Run, a: argparse.Namespace) -> Dict[str, object]:
     if sub.wait() != 0:
         raise SystemExit(f"{PROG}: the hostile user's submits failed")
     before = run.rss_mb()
-    load = hostile(run, "load", str(a.stalled), str(a.churn), str(a.half))
+    load = hostile(run, "load", str(a.stalled), str(a.churn), str(a.half), str(a.jobs))
     assert load.stdout is not None
     if load.stdout.readline() != "ready\n":
         raise SystemExit(f"{PROG}: the hostile clients did not start")

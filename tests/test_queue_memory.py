@@ -2,9 +2,10 @@
 long `jobs` answer goes in pages made as the client reads them, one user's connections, unread answers
 and half-sent requests have limits (one line refuses the rest), and another user is answered meanwhile.
 
-The hostile user's jobs are an array whose one 64 KiB argument JSON escapes byte by byte to six
-(\\u0001): each element is listed with it, so a listing is large from one cheap submit. The daemon's
-memory is the kernel's word: VmHWM (its peak RSS) in /proc/PID/status.
+The hostile user's jobs each have a 64 KiB argument that JSON escapes byte by byte to six (\\u0001), and
+the listings name them (a listing that names its jobs gives their commands whole; others cut them, and
+give an array's once): a listing of a few hundred is hundreds of MB. The daemon's memory is the kernel's
+word: VmHWM (its peak RSS) in /proc/PID/status.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import subprocess
 import time
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List
 
 import pytest
 from conftest import wait_for
@@ -23,12 +24,12 @@ ARG = "\x01" * 65000  # the command's limit is 64 KiB; in JSON each byte is \u00
 PEAK_MB = 400  # the daemon's peak RSS in these tests, at most (7c4bf7b: over 1 GB in the first)
 
 # The hostile clients, run as the hostile user for argv[2] seconds: argv[3] that send a 1 MiB frame but
-# its last byte, argv[4] that ask for `jobs`, read 16 bytes and stop reading; each reopened when the
-# daemon closes it. Prints {error line: count} of the one-line refusals it was sent.
+# its last byte, argv[4] that ask for `jobs` of the ids in argv[5], read 16 bytes and stop reading; each
+# reopened when the daemon closes it. Prints {error line: count} of the one-line refusals it was sent.
 CLIENTS = r"""
 import json, select, socket, struct, sys, time
 path, seconds, half, stalled = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-body = json.dumps({"op": "jobs", "all": True}).encode()
+body = json.dumps({"op": "jobs", "all": True, "ids": json.loads(sys.argv[5])}).encode()
 ASK = struct.pack(">I", len(body)) + body
 refusals, conns = {}, {}
 poller = select.poll()
@@ -87,6 +88,16 @@ while time.monotonic() < end:
 print(json.dumps(refusals), flush=True)
 """
 
+# argv: socket, count: that many held jobs of ARG submitted (as `gpu-mon submit` sends them); their ids
+SUBMIT = r"""
+import json, sys
+from gpu_mon.queue.protocol import request
+path, count = sys.argv[1], int(sys.argv[2])
+req = {"op": "submit", "command": ["true", "\x01" * 65000], "cwd": "/", "env": {"PATH": "/bin"},
+       "hold": True, "checked_as_user": True}
+print(json.dumps([request(path, req)["id"] for _ in range(count)]))
+"""
+
 
 @pytest.fixture
 def lab() -> Iterator[Lab]:
@@ -107,19 +118,41 @@ def _status_mb(pid: int, key: str) -> float:
     raise AssertionError(f"no {key} in /proc/{pid}/status")
 
 
-def _big_array(lab: Lab, count: int) -> None:
-    """alice's held array of `count` elements, each listed with the 64 KiB argument."""
-    r = lab.run(lab.alice, "submit", "--hold", "--array", f"0-{count - 1}", "--", "true", ARG, timeout=120)
+def _big_jobs(lab: Lab, count: int) -> List[int]:
+    """alice's `count` held jobs, each with the 64 KiB argument: their ids."""
+    u = lab.alice
+    r = subprocess.run(
+        [PY, "-c", SUBMIT, str(lab.socket), str(count)],
+        capture_output=True,
+        text=True,
+        user=u.uid,
+        group=u.gid,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(lab.code)},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
-def _clients(lab: Lab, seconds: float, half: int, stalled: int) -> subprocess.Popen:
+def _clients(lab: Lab, seconds: float, half: int, stalled: int, ids: List[int]) -> subprocess.Popen:
     script = lab.dir / "clients.py"
     script.write_text(CLIENTS)
     os.chmod(script, 0o644)
     u = lab.alice
     return subprocess.Popen(
-        [PY, "-I", str(script), str(lab.socket), str(seconds), str(half), str(stalled), lab.marker],
+        [
+            PY,
+            "-I",
+            str(script),
+            str(lab.socket),
+            str(seconds),
+            str(half),
+            str(stalled),
+            json.dumps(ids),
+            lab.marker,
+        ],
         stdout=subprocess.PIPE,
         text=True,
         user=u.uid,
@@ -135,8 +168,8 @@ def test_one_users_stalled_and_half_sent_clients_keep_the_daemon_small_and_anoth
     d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
     wait_for(lab.socket.exists, 20, "the queue's socket")
     pid = _daemon_pid(d)
-    _big_array(lab, 150)  # a listing of ~59 MB: 7c4bf7b made it whole for each client (over 1 GB)
-    clients = _clients(lab, 10, half=20, stalled=24)
+    ids = _big_jobs(lab, 150)  # a listing of ~59 MB: 7c4bf7b made it whole for each client (over 1 GB)
+    clients = _clients(lab, 10, half=20, stalled=24, ids=ids)
     try:
         # another user meanwhile: each command answered (a generous deadline: not a timing target)
         answered: Dict[str, int] = {}
@@ -165,14 +198,15 @@ def test_one_users_stalled_and_half_sent_clients_keep_the_daemon_small_and_anoth
 
 
 def test_jobs_json_lists_any_number_of_big_jobs_and_the_daemon_stays_small(lab, daemon_factory):
-    d = daemon_factory(queue_body(lab), defaults={"start_delay_seconds": 0})
+    uncapped = "max_kept_per_user = 0\nmax_stored_mib_per_user = 0\n"  # (273 MB stored: a test of memory)
+    d = daemon_factory(queue_body(lab, uncapped), defaults={"start_delay_seconds": 0})
     wait_for(lab.socket.exists, 20, "the queue's socket")
     pid = _daemon_pid(d)
-    _big_array(lab, 700)  # ~275 MB of JSON: more than one message could ever hold (7c4bf7b: too large)
+    ids = _big_jobs(lab, 700)  # ~275 MB of JSON: more than one message could ever hold (7c4bf7b: too large)
     out = lab.dir / "jobs.json"
     with open(out, "wb") as f:
         r = subprocess.run(
-            [PY, "-m", "gpu_mon", "--config", str(lab.client_conf), "jobs", "--json"],
+            [PY, "-m", "gpu_mon", "--config", str(lab.client_conf), "jobs", "--json", *map(str, ids)],
             stdout=f,
             stderr=subprocess.PIPE,
             text=False,
@@ -187,7 +221,7 @@ def test_jobs_json_lists_any_number_of_big_jobs_and_the_daemon_stays_small(lab, 
     with open(out) as f:
         jobs = json.load(f)["jobs"]
     out.unlink()
-    assert [j["array_index"] for j in jobs] == list(range(700))
-    assert all(j["command"] == ["true", ARG] for j in jobs)
+    assert [j["id"] for j in jobs] == ids
+    assert all(j["command"] == ["true", ARG] and j["command_cut"] is False for j in jobs)
     peak = _status_mb(pid, "VmHWM")
     assert peak < PEAK_MB, f"the daemon's peak RSS was {peak:.0f} MB"

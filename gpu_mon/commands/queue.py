@@ -137,7 +137,12 @@ def socket_path(args: argparse.Namespace) -> str:
 
 
 def _ask(socket: str, req: dict) -> dict:
-    return _answer(request(socket, req))
+    """The daemon's answer (`_answer`); why it came late, one line on stderr (the daemon slowed this
+    user's requests: `wait`, asking again and again, does not say it)."""
+    answer = _answer(request(socket, req))
+    if answer.get("slowed"):
+        print(f"gpu-mon: {sanitize(str(answer['slowed']))}", file=sys.stderr)
+    return answer
 
 
 def _answer(answer: dict) -> dict:
@@ -357,9 +362,9 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     if not args.json and not args.all:
         req["limit"] = TABLE_WAITING
     answer = _ask(socket, req)
-    jobs, drained = answer["jobs"], answer.get("drained")
+    jobs, drained, arrays = answer["jobs"], answer.get("drained"), answer.get("arrays") or {}
     if args.json:
-        _print_json(jobs, drained)
+        _print_json(jobs, arrays, drained)
         return base.EXIT_OK
     head = []
     if drained:
@@ -373,7 +378,7 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     end = ("END",) if ended else ()
     rows = [("ID", "USER", "STATE", "GPUS", "TIME", *end, "RESTARTS", "NAME / COMMAND", "WHY")]
     today = time.strftime("%Y-%m-%d")
-    rows += [_row(j, today if ended else None) for j in jobs]
+    rows += [_row(j, today if ended else None, arrays) for j in jobs]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = head + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     more = int(answer.get("more") or 0)
@@ -383,25 +388,35 @@ def _jobs(args: argparse.Namespace, socket: str) -> int:
     return base.EXIT_OK
 
 
-def _print_json(jobs: List[dict], drained: Optional[dict]) -> None:
-    """`{"jobs": [...], "drained": null}`, a job a line. One encoding of the whole list (json's own
-    indenting is slow for a long queue), then a new line before each job: `}, {"id": ` with bare quotes is
-    only ever found between two jobs (inside a string every quote is escaped, and a job holds no other
-    object)."""
+def _print_json(jobs: List[dict], arrays: Dict[str, dict], drained: Optional[dict]) -> None:
+    """`{"jobs": [...], "arrays": {...}, "drained": null}`, a job a line, then an array a line. One
+    encoding of the whole list (json's own indenting is slow for a long queue), then a new line before
+    each job: `}, {"id": ` with bare quotes is only ever found between two jobs (inside a string every
+    quote is escaped, and a job holds no other object)."""
     for j in jobs:
         j.pop("gpu_indices", None)
     body = json.dumps(jobs)[1:-1].replace('}, {"id": ', '},\n  {"id": ')
-    tail = ', "drained": ' + json.dumps(drained) + "}\n"
+    shared = ",\n  ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in arrays.items())
+    tail = ', "arrays": {' + ("\n  " + shared + "\n" if shared else "") + "}"
+    tail += ', "drained": ' + json.dumps(drained) + "}\n"
     sys.stdout.write('{"jobs": [\n  ' + body + "\n]" + tail if jobs else '{"jobs": []' + tail)
 
 
-def _row(j: dict, today: Optional[str] = None) -> tuple:
-    """A line of the table; with `today` (some job listed has ended), the END column too."""
+def _command(j: dict, arrays: Dict[str, dict]) -> List[str]:
+    """The job's command: its own, or (an array's element) its array's."""
+    if "command" in j:
+        return j["command"]
+    return arrays.get(str(j.get("array_id")), {}).get("command") or []
+
+
+def _row(j: dict, today: Optional[str] = None, arrays: Optional[Dict[str, dict]] = None) -> tuple:
+    """A line of the table; with `today` (some job listed has ended), the END column too; `arrays`: the
+    listing's arrays (their commands)."""
     from gpu_mon.policy import words  # (only for the table: `--json` and the other commands do without)
 
     gpus = ",".join(str(i) if i is not None else "?" for i in j.get("gpu_indices") or []) or "-"
     ran = _ran(j)
-    what = j["name"] or " ".join(j["command"])
+    what = j["name"] or " ".join(_command(j, arrays or {}))
     why = j["reason"] or ""
     if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is not None and not why:
         why = words.exit_status(int(j["exit_status"]), j.get("signal") or 0)
@@ -671,6 +686,8 @@ _JOBS_OPTIONS = (
     _opt("--state", choices=J.STATES, help="only jobs in this state"),
     _opt("--name", help="only jobs with this name (every element of a named array)"),
     _opt("--expand", action="store_true", help="an array's elements one a line (default: by state)"),
-    _opt("--json", action="store_true", help="machine-readable output (every element of arrays)"),
+    _opt(
+        "--json", action="store_true", help="machine-readable output (every element; an array's command once)"
+    ),
     _opt("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)"),
 )

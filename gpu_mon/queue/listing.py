@@ -1,13 +1,20 @@
 """Jobs as `jobs` sends them, encoded once: a long queue's listing is mostly a join of bytes already made.
 
+What a listing holds of each job is small whatever the job (issue 46: one user's five 1000-element arrays
+of a 60 KB argument made every user's `jobs --all --json` 296 MB): an array's elements carry no command,
+the listing gives each array's once (`shared`, under "arrays"); a command whose JSON is over LIST_COMMAND
+bytes is listed cut (its first arguments, the last one cut short; "command_cut": true), and a reason over
+LIST_REASON characters (one that names a long path: a job that could not open its output) ends in "...",
+unless the request names its jobs (`whole`).
+
 Each job's JSON is kept in three fixed pieces around the two that change without the job changing (its
 waiting reason, from the last placement, and its GPUs' indices). A Job is a new object whenever it
 changes, so `is` tells whether the pieces are still good. Strings are encoded as json.dumps does
 (ensure_ascii), so the object reads back the same.
 
-What is kept is bounded: a job whose JSON is over KEEP_ONE bytes (a long command: up to 64 KiB, each byte
+What is kept is bounded: a job whose JSON is over KEEP_ONE bytes (a long reason: a path of 4096 bytes, each
 escaped to as many as 6) is encoded again for each listing, never kept, and no more is kept once KEEP_ALL
-bytes are.
+bytes are; a whole command (a listing that names its jobs) is never kept.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
@@ -24,6 +31,8 @@ _string = json.encoder.encode_basestring_ascii  # a JSON string, quotes included
 _ISO: Dict[int, str] = {}  # whole seconds -> local ISO time (jobs submitted in a burst share seconds)
 KEEP_ONE = 16 * 1024  # bytes of one job's JSON kept between listings, at most
 KEEP_ALL = 64 << 20  # bytes kept for every job together, at most
+LIST_COMMAND = 4096  # bytes of a command's JSON in a listing that does not name its jobs, at most
+LIST_REASON = 300  # characters of a reason in such a listing, at most
 
 
 def iso(t: Optional[float]) -> Optional[str]:
@@ -72,22 +81,79 @@ def _strings(items: Iterable[str]) -> str:
     return "[" + ",".join(map(_string, items)) + "]"
 
 
-def _pieces(j: Job) -> Tuple[bytes, bytes, bytes]:
+def command_json(command: Iterable[str], whole: bool = False) -> Tuple[str, bool]:
+    """A command's JSON list and whether it is cut: whole, or (over LIST_COMMAND bytes, not `whole`) its
+    first arguments that fit in LIST_COMMAND bytes, the last of them cut short."""
+    text = _strings(command)
+    if whole or len(text) <= LIST_COMMAND:
+        return text, False
+    parts: List[str] = []
+    room = LIST_COMMAND - 2  # (the brackets)
+    for arg in command:
+        room -= 1 if parts else 0  # (the comma before it)
+        encoded = _string(arg)
+        if len(encoded) > room:
+            if room >= 3:  # (its quotes and a character at least)
+                parts.append(_string(arg[: _fitting(arg, room)]))
+            break
+        parts.append(encoded)
+        room -= len(encoded)
+    return "[" + ",".join(parts) + "]", True
+
+
+def _fitting(arg: str, room: int) -> int:
+    """The most characters of `arg` whose JSON string fits in `room` bytes."""
+    low, high = 0, min(len(arg), room)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(_string(arg[:mid])) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def listed_reason(text: str, whole: bool = False) -> str:
+    """A reason as a listing gives it: over LIST_REASON characters, cut to them with "..." (not `whole`)."""
+    return text if whole or len(text) <= LIST_REASON else text[: LIST_REASON - 3] + "..."
+
+
+def _command_field(command: Iterable[str], whole: bool) -> str:
+    text, cut = command_json(command, whole)
+    return f',"command":{text},"command_cut":{"true" if cut else "false"}'
+
+
+def shared(j: Job, whole: bool = False) -> bytes:
+    """What the elements of j's array share and a listing gives once, under "arrays": `{"command": [...],
+    "command_cut": false}`."""
+    return ("{" + _command_field(j.command, whole)[1:] + "}").encode()
+
+
+def _pieces(j: Job, whole: bool = False) -> Tuple[bytes, bytes, bytes]:
     head = (
         f'{{"id":{_value(j.id)},"user":{_string(j.user)},"name":{_string(j.name)},'
         f'"state":{_string(j.state)},"reason":'
     )
     gpus = f',"gpus":{_strings(j.gpus if j.state in J.LIVE else ())},"gpu_indices":'
+    command = "" if j.array_id else _command_field(j.command, whole)  # (an element's: its array's, once)
+    preempted = _string(listed_reason(j.preempted_reason, whole))
     tail = (
         f',"gpus_wanted":{_value(j.gpus_wanted)},"priority":{_value(j.priority)},'
         f'"submitted":{_time(j.submitted)},"started":{_time(j.started)},"ended":{_time(j.ended)},'
         f'"restarts":{_value(j.restarts)},"exit_status":{_value(j.exit_status)},'
         f'"signal":{_value(j.signal or None)},"run_seconds":{_value(run_seconds(j))},'
-        f'"preempted":{_time(j.preempted_at)},"preempted_reason":{_string(j.preempted_reason)},'
-        f'"command":{_strings(j.command)},"array_id":{_value(j.array_id or None)},'
+        f'"preempted":{_time(j.preempted_at)},"preempted_reason":{preempted}'
+        f'{command},"array_id":{_value(j.array_id or None)},'
         f'"array_index":{_value(j.array_index if j.array_id else None)}}}'
     )
     return head.encode(), gpus.encode(), tail.encode()
+
+
+def _may_be_cut(j: Job) -> bool:
+    """Whether j's fixed pieces may be cut in a listing (False: never; True: its command's JSON may be
+    over LIST_COMMAND bytes, each character at most 12 of them, or its preemption's reason is long)."""
+    long_command = not j.array_id and sum(len(a) + 3 for a in j.command) * 12 > LIST_COMMAND
+    return long_command or len(j.preempted_reason) > LIST_REASON
 
 
 class Listing:
@@ -96,10 +162,14 @@ class Listing:
     def __init__(self) -> None:
         # job id -> (the job, its reason and indices when last encoded, its three pieces, the whole)
         self._kept: Dict[int, tuple] = {}
-        self.kept_bytes = 0  # of the pieces and wholes kept
+        self.kept_bytes = 0  # of the pieces and wholes kept, and of the arrays' shared values
+        self._arrays: Dict[int, bytes] = {}  # array id -> what its elements share (at most LIST_COMMAND + 40)
 
-    def encoded(self, j: Job, reason: str, indices: tuple) -> bytes:
-        """The job's JSON object, as bytes."""
+    def encoded(self, j: Job, reason: str, indices: tuple, whole: bool = False) -> bytes:
+        """The job's JSON object, as bytes; `whole`: its command whole (made afresh when it may be cut)."""
+        if whole and _may_be_cut(j):
+            head, gpus, tail = _pieces(j, whole=True)
+            return b"".join((head, _string(reason).encode(), gpus, _indices(indices), tail))
         kept = self._kept.get(j.id)
         if kept is not None and kept[0] is j:
             if kept[1] == reason and kept[2] == indices:
@@ -108,10 +178,22 @@ class Listing:
         else:
             pieces = _pieces(j)
         head, gpus, tail = pieces
-        index_list = "[" + ",".join("null" if i is None else str(i) for i in indices) + "]"
-        whole = b"".join((head, _string(reason).encode(), gpus, index_list.encode(), tail))
-        self._keep(j, (j, reason, indices, pieces, whole))
-        return whole
+        made = b"".join((head, _string(reason).encode(), gpus, _indices(indices), tail))
+        self._keep(j, (j, reason, indices, pieces, made))
+        return made
+
+    def shared(self, j: Job, whole: bool = False) -> bytes:
+        """What j's array's elements share, as `shared` makes it (kept per array: an array's command never
+        changes, and a cut one is small)."""
+        if whole:
+            return shared(j, whole=True)
+        made = self._arrays.get(j.array_id)
+        if made is None:
+            made = shared(j)
+            if self.kept_bytes + len(made) <= KEEP_ALL:
+                self._arrays[j.array_id] = made
+                self.kept_bytes += len(made)
+        return made
 
     def prepare(self, j: Job) -> None:
         """Make the job's fixed pieces now (a daemon that starts with a long queue: its first listing
@@ -130,14 +212,19 @@ class Listing:
             self._kept[j.id] = entry
             self.kept_bytes += size
 
-    def keep_only(self, ids: Iterable[int]) -> None:
-        """Forget the jobs not in `ids` (pruned)."""
-        wanted = set(ids)
+    def keep_only(self, ids: Iterable[int], arrays: Iterable[int] = ()) -> None:
+        """Forget the jobs not in `ids` and the arrays not in `arrays` (pruned)."""
+        wanted, wanted_arrays = set(ids), set(arrays)
         self._kept = {i: v for i, v in self._kept.items() if i in wanted}
-        self.kept_bytes = sum(map(_size, self._kept.values()))
+        self._arrays = {i: v for i, v in self._arrays.items() if i in wanted_arrays}
+        self.kept_bytes = sum(map(_size, self._kept.values())) + sum(map(len, self._arrays.values()))
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+def _indices(indices: tuple) -> bytes:
+    return ("[" + ",".join("null" if i is None else str(i) for i in indices) + "]").encode()
 
 
 def _size(entry: tuple) -> int:

@@ -4,7 +4,8 @@ A frame over MAX_FRAME, a length that is not followed by a JSON object, or anyth
 frame is a ProtocolError (one line). The client side (`request`) is here too: one request, one answer.
 
 A long answer (`jobs`) comes in pages: frames made one at a time as the client reads them, each but the
-last with `"continued": true`; `request` joins their lists (`jobs`) into one answer. An answer that fits
+last with `"continued": true`; `request` joins their lists (`jobs`) and objects (`arrays`: each array's
+shared values, in the page of its first element) into one answer. An answer that fits
 one page is one frame, as before pages.
 """
 
@@ -139,10 +140,16 @@ def _frame(sock: socket.socket, reader: FrameReader, deadline: float, path: str)
 
 
 def _join(answer: dict, page: dict) -> None:
-    """A page added to the answer so far: its lists extend the answer's, `continued` says if more come."""
+    """A page added to the answer so far: its lists extend the answer's, its objects add to the answer's
+    (or are the answer's, the first time), `continued` says if more come."""
     if page.get("ok") is not True:  # (the daemon could not go on: say why)
         raise NoDaemon(f"the daemon stopped its answer: {page.get('error', 'no reason given')}")
     for key, value in page.items():
-        if isinstance(value, list) and isinstance(answer.get(key), list):
-            answer[key].extend(value)
+        old = answer.get(key)
+        if isinstance(value, list) and isinstance(old, list):
+            old.extend(value)
+        elif isinstance(value, dict) and isinstance(old, dict):
+            old.update(value)
+        elif isinstance(value, (dict, str)) and key not in answer:  # (`slowed`: said in a later page)
+            answer[key] = value
     answer["continued"] = page.get("continued", False)

@@ -26,7 +26,7 @@ from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import Listing, iso, run_seconds
+from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
@@ -273,21 +273,31 @@ class Requests:
         return Pages(self._pages(req, ids, limit))
 
     def _pages(self, req: dict, ids: list, limit: Optional[int]) -> Iterator[bytes]:
-        view, now = self.view(), time.time()
+        """The answer's pages: `{"ok":true,"more":N,"drained":...,"jobs":[...],"arrays":{...}}`, each but
+        the last with `"continued":true`; an array's shared values ("arrays", by its id) come once, in the
+        page of its first element listed."""
+        view, now, whole = self.view(), time.time(), bool(ids)
         entries, groups = self._entries(req, ids)
         shown, more = _limited(entries, groups, limit)
         if len(self.listing) > 2 * len(self.store.jobs) + 1000:  # (jobs pruned since)
-            self.listing.keep_only(self.store.jobs)
+            self.listing.keep_only(self.store.jobs, self.store.arrays)
         head = b'"more":%d,"drained":%s,' % (more, _drained_json(self.store.drained).encode())
         parts: List[bytes] = []
+        shared: List[bytes] = []
+        seen: Set[int] = set()
         size = 0
         for e in shown:
             if size >= PAGE_BYTES:
-                yield b'{"ok":true,%s"jobs":[%s],"continued":true}' % (head, b",".join(parts))
-                parts, size, head = [], 0, b""
-            parts.append(self._entry(e, groups, view, now))
+                yield _page(head, parts, shared, True)
+                parts, shared, size, head = [], [], 0, b""
+            first = e if isinstance(e, Job) else groups[e][0]
+            if first.array_id and first.array_id not in seen:
+                seen.add(first.array_id)
+                shared.append(b'"%d":%s' % (first.array_id, self.listing.shared(first, whole)))
+                size += len(shared[-1]) + 1
+            parts.append(self._entry(e, groups, view, now, whole))
             size += len(parts[-1]) + 1
-        yield b'{"ok":true,%s"jobs":[%s]}' % (head, b",".join(parts))
+        yield _page(head, parts, shared, False)
 
     def _entries(self, req: dict, ids: list) -> Tuple[List[Entry], Dict[Tuple[int, str], List[Job]]]:
         """The jobs the request lists, in order: a job, or (collapse) an array's elements in one state."""
@@ -320,13 +330,15 @@ class Requests:
             entries.append(j)
         return entries, groups
 
-    def _entry(self, e: Entry, groups: Dict[Tuple[int, str], List[Job]], view: View, now: float) -> bytes:
+    def _entry(
+        self, e: Entry, groups: Dict[Tuple[int, str], List[Job]], view: View, now: float, whole: bool
+    ) -> bytes:
         """One entry's JSON: a job's, or a collapsed group's (what its elements share, else totals and
         ranges: grouped.py; with `elements` and `count`)."""
         if isinstance(e, Job):
-            return self._encoded(e, view, now)
+            return self._encoded(e, view, now, whole)
         members = groups[e]
-        encoded = self._encoded(members[0], view, now)
+        encoded = self._encoded(members[0], view, now, whole)
         indices = arrays.ranges(m.array_index for m in members)
         if len(members) > 1:
             group = grouped(json.loads(encoded), members, view.index_of, lambda j: _reason_key(j, view))
@@ -342,10 +354,10 @@ class Requests:
             raise Bad("states must be a list of job states")
         return Encoded(b'{"ok":true,"ids":[%s]}' % b",".join(_named_ids(self.store.all(), peer.uid, wanted)))
 
-    def _encoded(self, j: Job, view: View, now: float) -> bytes:
-        reason = reason_of(j, view, now)
+    def _encoded(self, j: Job, view: View, now: float, whole: bool) -> bytes:
+        reason = listed_reason(reason_of(j, view, now), whole)
         indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-        return self.listing.encoded(j, reason, indices)
+        return self.listing.encoded(j, reason, indices, whole)
 
     # ------------------------------------------------------------------ cancel, hold, release, logs
 
@@ -570,6 +582,13 @@ def _drained_dict(drained: Optional[Drained]) -> Optional[dict]:
     return None if drained is None else {"by": drained.by, "at_wall": round(drained.at)}
 
 
+def _page(head: bytes, jobs: List[bytes], shared: List[bytes], continued: bool) -> bytes:
+    """One page of a `jobs` answer (`shared`: the arrays first listed in it, as `"ID":{...}`)."""
+    arrays = b',"arrays":{%s}' % b",".join(shared) if shared else b""
+    more = b',"continued":true' if continued else b""
+    return b'{"ok":true,%s"jobs":[%s]%s%s}' % (head, b",".join(jobs), arrays, more)
+
+
 def _drained_json(drained: Optional[Drained]) -> str:
     """The `drained` of a `jobs` answer: null, or who drained the queue and when."""
     return json.dumps(_drained_dict(drained), separators=(",", ":"))
@@ -603,10 +622,17 @@ def cancelled_reason(job: Job, who: str) -> str:
     return f"cancelled by {who} while {job.state} (last run {how_it_ended(job)})"
 
 
-def describe(j: Job, view: View, now: float) -> dict:
-    """A job as `jobs --json` shows it."""
+def describe(j: Job, view: View, now: float, whole: bool = False) -> dict:
+    """A job as `jobs --json` shows it (an array's element without its command: the listing's "arrays"
+    has it, as `shared_of` says)."""
     indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-    return _described(j, reason_of(j, view, now), indices)
+    return _described(j, listed_reason(reason_of(j, view, now), whole), indices, whole)
+
+
+def shared_of(j: Job, whole: bool = False) -> dict:
+    """What an array's elements share, as a listing's "arrays" gives it under the array's id."""
+    text, cut = command_json(j.command, whole)
+    return {"command": json.loads(text), "command_cut": cut}
 
 
 def reason_of(j: Job, view: View, now: float) -> str:
@@ -627,8 +653,9 @@ def _reason_key(j: Job, view: View) -> object:
     return (j.state, j.id > view.placed_up_to, j.reason)
 
 
-def _described(j: Job, reason: str, indices: tuple) -> dict:
+def _described(j: Job, reason: str, indices: tuple, whole: bool = False) -> dict:
     live = j.state in J.LIVE
+    command = {} if j.array_id else shared_of(j, whole)
     return {
         "id": j.id,
         "user": j.user,
@@ -647,8 +674,8 @@ def _described(j: Job, reason: str, indices: tuple) -> dict:
         "signal": j.signal or None,
         "run_seconds": run_seconds(j),
         "preempted": iso(j.preempted_at),
-        "preempted_reason": j.preempted_reason,
-        "command": list(j.command),
+        "preempted_reason": listed_reason(j.preempted_reason, whole),
+        **command,
         "array_id": j.array_id or None,
         "array_index": j.array_index if j.array_id else None,
     }

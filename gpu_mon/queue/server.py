@@ -13,12 +13,19 @@ largest), and ANSWER_BYTES_PER_USER bytes of answers made and not yet read (ANSW
 answer is sent in pages (protocol.Pages), each made when the last one is read and only while the user's
 and everyone's answer bytes are within those limits: otherwise the connection waits its turn (at most
 PARK_SECONDS), and a client must read each page within CLIENT_SECONDS.
+
+What one user's requests can take of this thread's time is bounded too (budget.Share): SHARE of a core
+over time, SHARE_BURST seconds at once (root's are not counted). A user past it has their next request,
+or their answer's next page, wait their turn, in the order they came (the rest of the thread's time goes
+to the others at once); the answer then says it was slowed and why ("slowed", one line that `gpu-mon`
+prints), and a request that waits over TURN_SECONDS is refused in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import resource
@@ -30,9 +37,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
-from gpu_mon.queue.budget import Budget
+from gpu_mon.queue.budget import Budget, Share
 from gpu_mon.queue.checking import Checks
 from gpu_mon.queue.protocol import (
     MAX_ANSWER,
@@ -56,6 +63,9 @@ REQUEST_BYTES_PER_USER = 16 << 20  # received bytes of one user's requests not y
 REQUEST_BYTES = 64 << 20  # ... of every user's
 ANSWER_BYTES_PER_USER = 16 << 20  # bytes of answers to one user made and not yet handed to the kernel
 ANSWER_BYTES = 64 << 20  # ... to every user
+SHARE = 0.1  # of a core: the server thread's time one user's requests may take over time
+SHARE_BURST = 1.0  # seconds of it one user's requests may take at once
+TURN_SECONDS = 20.0  # a request waits at most this long for its user's turn (a client waits 30 s)
 _CRED = struct.Struct("3i")
 _MIB = 1 << 20
 _TOO_MANY = "too many connections from you at once"
@@ -79,6 +89,11 @@ class _Conn:
     held_in: int = 0  # bytes of its request counted in Server.requests_held
     held_out: int = 0  # bytes of its answer counted in Server.answers_held
     request: Optional[dict] = None  # a submit waiting for its check as its user (checking.py)
+    resting: bool = False  # waiting for its user's turn (Share): its request (`pending`) or its next page
+    pending: Optional[dict] = None
+    rested_at: float = 0.0
+    has_turn: bool = False  # its turn has come: it goes on, though later ones of its user wait
+    waited: float = 0.0  # seconds it waited for turns, said in the next frame it is sent ("slowed")
 
 
 class Server:
@@ -98,6 +113,9 @@ class Server:
         self.requests_held = Budget(REQUEST_BYTES_PER_USER, REQUEST_BYTES)
         self.answers_held = Budget(ANSWER_BYTES_PER_USER, ANSWER_BYTES)
         self.parked: List[_Conn] = []  # in the order they began to wait
+        self.share = Share(SHARE, SHARE_BURST)
+        self.resting: List[_Conn] = []  # waiting for their user's turn, in the order they began to
+        self.slowed_said: Dict[int, float] = {}  # uid -> when the log last said its requests wait turns
         self.checks: Checks[_Conn] = Checks(self._poke)
 
     def start(self) -> None:
@@ -157,6 +175,7 @@ class Server:
         while not self._stopping:
             now = time.monotonic()
             deadline = min((c.deadline for c in self.conns.values()), default=now + 60.0)
+            deadline = min(deadline, self._next_turn(now))
             for key, mask in self.sel.select(max(0.0, deadline - now)):
                 try:
                     self._ready(key.data, mask)
@@ -164,6 +183,7 @@ class Server:
                     log.exception("queue: internal error serving a client")
                     if isinstance(key.data, _Conn):
                         self._close(key.data)
+            self._turns(time.monotonic())
             self._expire(time.monotonic())
 
     def _ready(self, what: object, mask: int) -> None:
@@ -173,12 +193,28 @@ class Server:
             with contextlib.suppress(OSError):
                 os.read(self._wake_r, 4096)
             for conn, refusal in self.checks.done():
-                self._checked(conn, refusal)
-        elif isinstance(what, _Conn) and not what.parked and self.conns.get(what.sock.fileno()) is what:
-            if mask & selectors.EVENT_READ and not what.answered:
-                self._read(what)
-            if mask & selectors.EVENT_WRITE:
-                self._write(what)
+                self._charged(conn, partial(self._checked, conn, refusal))
+        elif isinstance(what, _Conn) and not what.parked and not what.resting and self._open(what):
+            self._charged(what, partial(self._serve_conn, what, mask))
+
+    def _serve_conn(self, conn: _Conn, mask: int) -> None:
+        if mask & selectors.EVENT_READ and not conn.answered:
+            self._read(conn)
+        if mask & selectors.EVENT_WRITE and not conn.resting and self._open(conn):
+            self._write(conn)
+
+    def _open(self, conn: _Conn) -> bool:
+        """Whether the connection is still served (not closed)."""
+        return self.conns.get(conn.sock.fileno()) is conn
+
+    def _charged(self, conn: _Conn, work: Callable[[], None]) -> None:
+        """Do `work` for the connection: the thread's time it takes is its user's (root's is not counted)."""
+        started = time.thread_time()
+        try:
+            work()
+        finally:
+            if conn.peer.uid != 0:
+                self.share.spend(conn.peer.uid, time.thread_time() - started, time.monotonic())
 
     def _accept(self) -> None:
         assert self.listener is not None
@@ -231,6 +267,7 @@ class Server:
         if not data:
             self._close(conn)
             return
+        size = len(conn.reader.buf) + len(data)
         try:
             req = conn.reader.feed(data)
         except ProtocolError as err:
@@ -240,6 +277,11 @@ class Server:
         self._hold_request(conn, len(conn.reader.buf) if req is None else 0)
         if req is None or conn.sock.fileno() not in self.conns:
             return
+        if not self._rest(conn, req, size - len(conn.reader.buf)):
+            self._dispatch(conn, req)
+
+    def _dispatch(self, conn: _Conn, req: dict) -> None:
+        """A whole request, its user's turn come: answered, or (a submit) checked first."""
         if req.get("op") == "submit" and req.get("checked_as_user") is not True:
             self._check(conn, req)
             return
@@ -299,8 +341,90 @@ class Server:
         if isinstance(answer, Pages):
             conn.rest = answer.bodies
         else:
-            self._set_out(conn, _frame(answer))
+            self._set_out(conn, _frame(self._noted(conn, answer)))
         self._write(conn)
+
+    # ------------------------------------------------------------------ turns (Share)
+
+    def _rest(self, conn: _Conn, req: Optional[dict] = None, size: int = 0) -> bool:
+        """Whether the connection must wait for its user's turn (its user owes the thread time, or an
+        earlier one of theirs waits): then it waits, with its request (`req`, counted as `size` bytes of
+        requests held) or for its next page."""
+        uid, now = conn.peer.uid, time.monotonic()
+        if uid == 0 or conn.has_turn:
+            conn.has_turn = False
+            return False
+        if self.share.turn(uid, now) <= now and not any(c.peer.uid == uid for c in self.resting):
+            return False
+        self._hold_request(conn, size)
+        if not self._open(conn):
+            return True  # (refused: the user's waiting requests are too many bytes)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        conn.resting, conn.pending, conn.rested_at = True, req, now
+        conn.deadline = now + (TURN_SECONDS if req is not None else PARK_SECONDS)
+        self.resting.append(conn)
+        self._say_slowed(uid, now)
+        return True
+
+    def _next_turn(self, now: float) -> float:
+        """When the first waiting connection's user has their turn again."""
+        return min((self.share.turn(c.peer.uid, now) for c in self.resting), default=now + 60.0)
+
+    def _turns(self, now: float) -> None:
+        """Each user whose turn has come: their first waiting connection goes on (the next one waits for
+        the turn after: what this one takes is counted first)."""
+        passed = set()
+        for conn in list(self.resting):
+            uid = conn.peer.uid
+            if uid in passed:
+                continue
+            passed.add(uid)
+            if self.share.turn(uid, now) <= now:
+                self._charged(conn, partial(self._resume, conn, now))
+
+    def _resume(self, conn: _Conn, now: float) -> None:
+        self.resting.remove(conn)
+        conn.resting, conn.has_turn, conn.waited = False, True, conn.waited + now - conn.rested_at
+        conn.deadline = now + CLIENT_SECONDS
+        req, conn.pending = conn.pending, None
+        self._hold_request(conn, 0)
+        self.sel.register(conn.sock, selectors.EVENT_READ if req is not None else selectors.EVENT_WRITE, conn)
+        if req is None:
+            self._write(conn)
+        elif _left(conn.sock):
+            self._close(conn)  # (the client is gone: nothing is done, as it would be told nothing)
+        else:
+            self._dispatch(conn, req)
+
+    def _noted(self, conn: _Conn, answer: Union[dict, Encoded]) -> Union[dict, Encoded]:
+        """The answer, with why it was late ("slowed") when the connection waited for turns since its
+        last frame."""
+        if not conn.waited:
+            return answer
+        note = (
+            f"answered {conn.waited:.1f} s late: your requests have taken their share of the queue's time "
+            f"({SHARE:.0%} of a core; root's are not counted)"
+        )
+        conn.waited = 0.0
+        if isinstance(answer, dict):
+            return {**answer, "slowed": note}
+        return Encoded(answer.body[:-1] + b',"slowed":' + json.dumps(note).encode() + b"}")
+
+    def _say_slowed(self, uid: int, now: float) -> None:
+        """One log line a minute at most for a user whose requests wait their turns."""
+        if now - self.slowed_said.get(uid, -60.0) < 60.0:
+            return
+        if len(self.slowed_said) > 1000:
+            self.slowed_said = {u: t for u, t in self.slowed_said.items() if now - t < 60.0}
+        self.slowed_said[uid] = now
+        log.info(
+            "queue: uid %d's requests wait their turns: they have taken their share of the queue's time "
+            "(%d %% of a core, %g s at once)",
+            uid,
+            round(SHARE * 100),
+            SHARE_BURST,
+        )
 
     def _write(self, conn: _Conn) -> None:
         """Hand the kernel what it takes of the page; a page taken whole: the next one is made on the
@@ -327,6 +451,8 @@ class Server:
         if conn.rest is None:
             self._close(conn)
             return False
+        if self._rest(conn):
+            return False
         if not self.answers_held.fits(conn.peer.uid, PAGE_BYTES):
             self._park(conn)
             return False
@@ -338,7 +464,7 @@ class Server:
         if body is None:
             self._close(conn)
             return False
-        self._set_out(conn, _frame(Encoded(body)))
+        self._set_out(conn, _frame(self._noted(conn, Encoded(body))))
         return True
 
     def _set_out(self, conn: _Conn, out: bytes) -> None:
@@ -369,6 +495,14 @@ class Server:
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self.conns.values() if c.deadline <= now]:
+            if conn.resting:
+                waited = now - conn.rested_at
+                self._refuse(
+                    conn,
+                    f"your requests have taken their share of the queue's time ({SHARE:.0%} of a core): "
+                    f"this one waited {waited:.0f} s for its turn; ask less often",
+                )
+                continue
             if not conn.answered:
                 log.debug("queue: uid %d pid %d sent no request in time", conn.peer.uid, conn.peer.pid)
                 with contextlib.suppress(OSError):
@@ -386,6 +520,9 @@ class Server:
             self.per_uid.pop(uid, None)
         if conn.parked:
             self.parked.remove(conn)
+        if conn.resting:
+            self.resting.remove(conn)
+            conn.resting = False
         if conn.request is not None:
             self.checks.forget(conn)
             conn.request = None
