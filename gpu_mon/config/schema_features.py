@@ -11,6 +11,7 @@ from gpu_mon.config.model import KILL_ACTIONS, QUEUE_ORDERS, SLURM_ACTIONS
 
 _WHO = "Both empty: everyone; root always may."
 
+
 HISTORY = SectionSpec(
     "history",
     "What the daemon saw, in an embedded SQLite file that `gpu-mon report` reads: each GPU's states and who "
@@ -239,6 +240,15 @@ QUEUE = SectionSpec(
             "How long a GPU must stay free before a job starts on it (empty: [defaults] "
             "start_delay_seconds).",
             "5",
+        ),
+        Key(
+            "brief_open_seconds",
+            "seconds, 0 to 2",
+            plain(v.up_to(2.0)),
+            "0.3",
+            "Someone else's process that holds a running job's GPU's node stops the job if it still holds "
+            "it this long after it was first seen (looked at again then): a brief probe does not. A context "
+            "NVML shows, memory over busy_memory_mib, anything else stops the job at once. 0: at once.",
         ),
         Key(
             "preempt_workloads",
