@@ -79,6 +79,7 @@ class Round:
         publish."""
         if scan is not None and not self._scan(scan, pause):
             return
+        self._recheck(now)
         m = self.moment(now)
         snap = self.snapshot(now)
         decision = policy.decide(self.config, m.plan, snap, self.state)
@@ -110,6 +111,19 @@ class Round:
         if every:
             scans.every_next = False
         return True
+
+    def _recheck(self, now: float) -> None:
+        """The holders of the GPUs a tier must know again now (a job's GPU opened a while ago: does its
+        opener still hold it?), read again. One that cannot be read is then hidden, and the GPU busy."""
+        gpus: Set[str] = set()
+        for tier in self.p.tiers:
+            gpus |= tier.recheck(now)
+        if not gpus:
+            return
+        obs = self.p.observer
+        pids = [h.pid for h in obs.holders if any(not h.ours_on(u) for u in h.gpus & gpus)]
+        if pids:
+            obs.scan("pids", self.p.supervisor.sessions(), pids)
 
     def ensure_plan(self) -> policy.Plan:
         """The GPUs' rules as the config names them (resolved again while it has problems)."""
