@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -38,6 +39,20 @@ fd = os.open(sys.argv[1], os.O_RDONLY)
 print(time.time(), flush=True)
 time.sleep(0.05)
 """
+# As fast as Python goes; says how many opens when stopped (SIGTERM)
+FLOOD = r"""
+import os, signal, sys
+n = 0
+def done(*_):
+    print(n, flush=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, done)
+print("flooding", flush=True)
+while True:
+    os.close(os.open(sys.argv[1], os.O_RDONLY))
+    n += 1
+"""
+FLOOD_SECONDS = 3.0  # how long the flood runs: the load, not a wait for a result
 # Opens the node and keeps it (a newcomer's CUDA program), saying when (wall clock)
 HOLD = r"""
 import os, sys, time
@@ -183,3 +198,31 @@ def test_a_holder_gets_the_job_stopped_and_each_preemption_names_who_in_jobs_the
     text = subprocess.run([*report, "--by", "job"], capture_output=True, text=True, check=True).stdout
     (line,) = [x for x in text.splitlines() if x.startswith(f"{a} ")]
     assert line.endswith(f"  {first}; {second}")
+
+
+def test_an_open_close_loop_on_a_jobs_gpu_stops_it_once_and_is_looked_at_about_once_a_second(
+    lab, sim, daemon_factory
+):
+    node0, _node1 = public_nodes(lab, sim)
+    d = daemon_factory(queue_body(lab, gpus="0"), defaults={"start_delay_seconds": 0.3})
+    wait_for(lab.socket.exists, 20, "the queue's socket")
+    a = lab.submit(lab.alice, *lab.job_cmd("run"))
+    lab.wait_running(lab.alice, a)
+    before = len(d.log().splitlines())
+    flood = as_user(lab.bob, FLOOD, node0)
+    try:
+        assert flood.stdout.readline() == "flooding\n"
+        # opens that go on past brief_open_seconds are use: the job yields to them, once
+        d.wait_log(rf"queue: GPU 0 \(.*\) busy: .*gmqpbob python3\[{flood.pid}\].*; stopping job {a}$")
+        began = time.monotonic()
+        time.sleep(FLOOD_SECONDS)  # (the load goes on: the daemon must not look at each of its opens)
+    finally:
+        flood.send_signal(signal.SIGTERM)
+        opens = int(flood.communicate(timeout=20)[0].strip() or 0)
+    assert opens > 10_000, opens
+    assert time.monotonic() - began >= FLOOD_SECONDS
+    said = [line for line in d.log().splitlines()[before:] if "GPU 0 (" in line]
+    # (a line, a stop, its end; looked at about once a second: hundreds a second before the node was let go)
+    assert len(said) <= 8, said
+    assert [e["event"] for e in lab.reports(lab.alice, a)][:2] == ["start", "signal"]
+    assert len([x for x in d.log().splitlines() if f"; stopping job {a}" in x]) == 1

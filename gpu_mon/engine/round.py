@@ -125,6 +125,21 @@ class Round:
         if pids:
             obs.scan("pids", self.p.supervisor.sessions(), pids)
 
+    def patience(self) -> Dict[str, float]:
+        """The GPUs where only jobs that wait out brief opens run (a tier's `patience`): how long opens
+        there may go on before they count, the least of their jobs'. Every open of any other GPU where
+        something of ours runs is looked at at once."""
+        out: Dict[str, float] = {}
+        eager: Set[str] = set()
+        for key, w in self.p.supervisor.workloads.items():
+            wait = max((t.patience(key) for t in self.p.tiers), default=0.0)
+            for uuid in w.instance.gpus:
+                if wait > 0:
+                    out[uuid] = min(out.get(uuid, wait), wait)
+                else:
+                    eager.add(uuid)
+        return {u: s for u, s in out.items() if u not in eager}
+
     def ensure_plan(self) -> policy.Plan:
         """The GPUs' rules as the config names them (resolved again while it has problems)."""
         reading = self.p.observer.reading
@@ -151,7 +166,7 @@ class Round:
             running=sup.running(),
             exited=() if quick else sup.take_exits(),
             unseen_opens=tuple(self.p.openers.unseen.values()),
-            open_floods=self.p.floods.seen(),
+            open_floods=self.p.floods.seen(self.patience()),
         )
         for tier in self.p.tiers:
             snap = tier.see(snap, quick)

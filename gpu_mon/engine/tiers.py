@@ -73,6 +73,11 @@ class Tier:
         """Whether this wake needs a round for it (a request came, a delay ran out)."""
         return False
 
+    def patience(self, key: str) -> float:
+        """How long opens of the GPUs of this workload key may go on before they count (this tier's job
+        that waits out brief opens); 0: each open is looked at at once (not its job, or it does not wait)."""
+        return 0.0
+
     def recheck(self, now: float) -> Set[str]:
         """The GPUs whose holders this round must read again before it decides (a confirm is due)."""
         return set()

@@ -59,6 +59,12 @@ class QueueTier(Tier):
     def wanted(self, now: float) -> bool:
         return self.queue is not None and self.queue.wanted(now)
 
+    def patience(self, key: str) -> float:
+        q = self.config.queue
+        if q is None or self.queue is None or not key.startswith(PREFIX):
+            return 0.0
+        return q.brief_open_seconds
+
     def recheck(self, now: float) -> Set[str]:
         return self.queue.confirms_due(now) if self.queue is not None else set()
 
