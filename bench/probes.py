@@ -13,7 +13,9 @@ GPU 0. Then:
 - a newcomer: a process opens GPU 0's node and keeps it, --trials times (closed again once the job is
   stopped, and the job let start again): open -> the job's stop signal, p50 and max (the job's handler
   stamps CLOCK_MONOTONIC, system-wide; the opener stamps just before its open());
-- the admin's workload: the same open of GPU 1's node, --trials times: open -> the workload's SIGTERM.
+- the admin's workload: the same open of GPU 1's node, --trials times: open -> the workload's SIGTERM;
+- a loop: `nobody` opens and closes GPU 0's node as fast as Python goes for --flood-seconds: the daemon's
+  CPU (% of a core) and the job's stop signals meanwhile.
 
 The same at --baseline (a git ref of this checkout, extracted with `git archive` and run the same way),
 in the same run. Checks first what it needs (root, the user nobody, git and the ref) and says all of it
@@ -46,7 +48,8 @@ from background import (  # noqa: E402
     table,
     wait_until,
 )
-from preempt import OPENER, WORKLOAD, baseline_problem  # noqa: E402
+from open_flood import FLOOD  # noqa: E402
+from preempt import OPENER, WORKLOAD, baseline_problem, cpu_ticks  # noqa: E402
 
 PROG = "bench/probes.py"
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable  # (nobody can run it)
@@ -222,6 +225,27 @@ class Run:
             opener.kill()
             opener.wait()
 
+    def flood(self, seconds: float) -> Tuple[float, int]:
+        """nobody's open/close loop on GPU 0 for `seconds`: (the daemon's CPU %, the job's stops)."""
+        self.running("job")
+        time.sleep(1.0)  # (the start's rounds are not the loop's)
+        nobody = pwd.getpwnam("nobody")
+        before = len(self.terms())
+        t0, ticks0 = time.monotonic(), cpu_ticks(self.daemon.pid)
+        loop = subprocess.Popen(
+            [PY, "-c", FLOOD, str(self.dir / "dev" / "nvidia0")],
+            user=nobody.pw_uid,
+            group=nobody.pw_gid,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(seconds)
+        t1, ticks1 = time.monotonic(), cpu_ticks(self.daemon.pid)
+        loop.send_signal(signal.SIGTERM)
+        loop.communicate(timeout=30)
+        cpu = 100.0 * (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+        return cpu, len(self.terms()) - before
+
     def stop(self) -> None:
         if self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)
@@ -235,6 +259,7 @@ def measure(work: Path, code: Path, a: argparse.Namespace) -> list:
     try:
         probed = run.probes(a.seconds, a.period, a.hold_ms / 1000)
         job, workload = run.opens(a.trials)
+        cpu, loop_stops = run.flood(a.flood_seconds)
     finally:
         run.stop()
     return [
@@ -243,6 +268,8 @@ def measure(work: Path, code: Path, a: argparse.Namespace) -> list:
         f"{probed['longest']:.1f}",
         f"{median(job):.0f} / {max(job):.0f}",
         f"{median(workload):.1f} / {percentile(workload, 99):.1f}",
+        f"{cpu:.1f}",
+        loop_stops,
     ]
 
 
@@ -252,11 +279,12 @@ def main() -> int:
     ap.add_argument("--period", type=float, default=2.5, help="seconds from one probe to the next")
     ap.add_argument("--hold-ms", type=float, default=50.0, help="how long each probe holds the node")
     ap.add_argument("--trials", type=int, default=10, help="opens that hold, of each GPU")
+    ap.add_argument("--flood-seconds", type=float, default=10.0, help="how long the open/close loop goes on")
     ap.add_argument("--baseline", default="71478dc", help="git ref to measure side by side ('' for none)")
     ap.add_argument("--keep", action="store_true", help="leave the daemons' directories (their logs)")
     a = ap.parse_args()
-    if a.seconds <= 0 or a.period <= 0 or a.hold_ms <= 0 or a.trials < 1:
-        ap.error("--seconds, --period and --hold-ms must be more than 0, --trials at least 1")
+    if min(a.seconds, a.period, a.hold_ms, a.flood_seconds) <= 0 or a.trials < 1:
+        ap.error("--seconds, --period, --hold-ms, --flood-seconds must be more than 0, --trials at least 1")
     missing = missing_prerequisites(a)
     if missing:
         print(f"{ap.prog}: cannot start: {'; '.join(missing)}", file=sys.stderr)
@@ -269,7 +297,7 @@ def main() -> int:
     rows = []
     try:
         for i, (label, code) in enumerate(versions):
-            print(f"{label}: {a.seconds:g} s of probes, then {a.trials} opens of each GPU...", flush=True)
+            print(f"{label}: {a.seconds:g} s of probes, {a.trials} opens of each GPU, a loop...", flush=True)
             rows.append([label, *measure(work / f"run-{i}", code, a)])
     except (RuntimeError, subprocess.CalledProcessError) as err:
         print(f"{ap.prog}: {err}", file=sys.stderr)
@@ -284,7 +312,8 @@ def main() -> int:
         f"{a.period:g} s for {a.seconds:g} s by nobody on the job's GPU"
     )
     headers = ["version", "probes", "job stops", "longest run s", "hold -> job stop p50/max ms"]
-    print(table([*headers, "open -> workload stop p50/p99 ms"], rows))
+    headers += ["open -> workload stop p50/p99 ms", "loop: daemon CPU %", "loop: job stops"]
+    print(table(headers, rows))
     return 0
 
 

@@ -20,4 +20,4 @@ def test_a_baseline_that_is_not_a_commit_is_one_line_before_anything_starts(tmp_
 def test_bad_numbers_are_a_usage_error(tmp_path):
     r = run_script(BENCH, "--hold-ms", "0", "--baseline", "", cwd=tmp_path)
     assert (r.returncode, r.stdout) == (2, "")
-    assert r.stderr.splitlines()[-1].endswith("--hold-ms must be more than 0, --trials at least 1")
+    assert r.stderr.splitlines()[-1].endswith("--flood-seconds must be more than 0, --trials at least 1")
