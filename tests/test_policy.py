@@ -193,6 +193,40 @@ def test_holder_grace(now, nvml_pids, nvml_readable, busy):
         assert got  # unreadable GPU: busy whatever the holders
 
 
+HELD = [
+    # (id, snapshot at 100.0, first seen (pid -> time), held_since expected)
+    ("free", snap(), {}, None),
+    ("one-holder-new", snap(holders=(holder(42),)), {}, 100.0),
+    ("one-holder-seen-before", snap(holders=(holder(42),)), {42: 99.5}, 99.5),
+    ("the-longest-of-two", snap(holders=(holder(42), holder(43))), {42: 99.8, 43: 99.1}, 99.1),
+    ("ours-is-not-counted", snap(holders=(holder(42), holder(43, ours=True))), {43: 50.0}, 100.0),
+    (
+        "an-nvml-context-counts-at-once",
+        snap(
+            gpus=(gpu(0, U0, processes=(GpuProcess(42, 500),)),),
+            holders=(holder(42),),
+            nvml_procs=(holder(42),),
+        ),
+        {42: 99.9},
+        None,
+    ),
+    ("memory-counts-at-once", snap(gpus=(gpu(0, U0, memory_used_mib=2000),), holders=(holder(4),)), {}, None),
+    (
+        "an-unreadable-process-counts-at-once",
+        snap(holders=(holder(42),), denied=(Denied(pid=9, user="bob", name="x"),)),
+        {},
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("s, seen, expected", [h[1:] for h in HELD], ids=[h[0] for h in HELD])
+def test_a_gpu_busy_only_by_holders_says_since_when_it_is_held(s, seen, expected):
+    state = PolicyState(first_seen={(pid, 100, U0): t for pid, t in seen.items()})
+    _plan, d = run(config(), s, state)
+    assert d.verdicts[U0].held_since == expected
+
+
 def run(c, s, state=None):
     plan = policy.resolve(c, s.reading.gpus)
     return plan, policy.decide(c, plan, s, state or PolicyState())

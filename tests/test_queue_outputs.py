@@ -142,7 +142,7 @@ def test_status_history_report_and_metrics_follow_jobs_through_a_preemption(lab,
     # someone else opens GPU 0: job A is preempted, and comes back when the GPU is let go
     wait_for(lambda: runs(lab, carol, a), 20, "job A's first run")
     ran_for(runs(lab, carol, a), 2.0)
-    with foreign_open(sim.device(0)):
+    with foreign_open(sim.device(0)) as opener:
         d.wait_log(r"busy: root .*; stopping job 1")
         assert lab.wait_state(carol, a, "queued")["restarts"] == 1
         wait_for(lambda: "busy" in lab.jobs(carol)[a]["reason"], 10, "A waiting for the busy GPU")
@@ -201,6 +201,10 @@ def test_status_history_report_and_metrics_follow_jobs_through_a_preemption(lab,
         "done",
     ]
     assert (jb["user"], jb["runs"], jb["preemptions"]) == ("gmqdan", 1, 0)
+    (why,) = ja["preempted_by"]  # who took the GPU, as `jobs` and the job's log say it
+    gpu0 = f"GPU 0 ({sim.uuid(0)})"
+    assert why == f"{gpu0} busy: root python3[{opener.pid}] holds {sim.device(0)}"
+    assert jb["preempted_by"] == []
     assert ja["gpu_seconds"] == pytest.approx(measured_a, abs=1.5)
     assert jb["gpu_seconds"] == pytest.approx(measured_b, abs=1.0)
     assert ja["wait_seconds"] > 0
@@ -211,9 +215,10 @@ def test_status_history_report_and_metrics_follow_jobs_through_a_preemption(lab,
     assert users["gmqdan"]["job_gpu_seconds"] == jb["gpu_seconds"]
     assert users["gmqdan"]["job_wait_seconds"] == jb["wait_seconds"]
     lines = report(d, "--by", "job").stdout.splitlines()
-    heads = "job  user  name  runs  GPU time  preemptions  waited  last run"
+    heads = "job  user  name  runs  GPU time  preemptions  waited  last run  preempted by"
     assert lines[2].split() == heads.split()
-    assert lines[3].split()[:4] == ["1", "gmqcarol", "trainA", "2"] and lines[3].split()[-1] == "done"
+    assert lines[3].split()[:4] == ["1", "gmqcarol", "trainA", "2"] and lines[3].endswith(f"  {why}")
+    assert lines[3][: -len(why)].split()[-1] == "done"
     lines = report(d, "--by", "user").stdout.splitlines()
     carol_line = next(line for line in lines if line.startswith("gmqcarol"))
     assert " 1 " in carol_line  # its preemption
@@ -325,7 +330,7 @@ def test_a_version_1_history_is_migrated_forward_and_keeps_its_rows(tmp_path, da
     assert wait_for(done, 30, "the job's run in the history") == [(1, "done")]
     assert d.stop() == 0
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
-        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == historydb.SCHEMA_VERSION == 2
+        assert c.execute("SELECT version FROM schema_version").fetchone()[0] == historydb.SCHEMA_VERSION == 3
         assert list(c.execute("SELECT process, start FROM runs")) == [("w", pytest.approx(now - 60))]
         assert c.execute("SELECT count(*) FROM intervals WHERE uuid = 'GPU-old'").fetchone()[0] == 1
     assert not list(tmp_path.glob("old.sqlite.bad-*"))  # migrated, never moved aside

@@ -10,6 +10,7 @@ from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.placement import (
     CancelJob,
+    ConfirmJob,
     GpuView,
     PreemptJob,
     PreemptWorkload,
@@ -73,6 +74,37 @@ def test_someone_else_on_a_running_jobs_gpu_preempts_it():
     p = run([running], (GpuView(G0, True, BOB), free(G1)))
     assert p.preempt_jobs == (PreemptJob(1, G0, BOB),)
     assert p.starts == ()
+
+
+def test_a_holder_of_a_running_jobs_gpu_stops_it_only_once_it_has_held_it_brief_open_seconds():
+    running = job(1, state=J.RUNNING, gpus=(G0,), started=WALL - 5)
+    held = lambda since: (GpuView(G0, True, BOB, held_since=since), free(G1))  # noqa: E731
+    # first seen 0.125 s ago: looked at again 0.125 s from now (brief_open_seconds 0.25), running meanwhile
+    for p in (
+        run([running], held(NOW - 0.125), brief_open_seconds=0.25),
+        stops([running], held(NOW - 0.125), NOW, WALL, 0.25),
+    ):
+        assert p.preempt_jobs == () and p.confirms == (ConfirmJob(1, G0, BOB, NOW + 0.125),)
+        assert p.next_wake == NOW + 0.125
+    # still held 0.3 s (the default) after it was first seen: stopped
+    for p in (run([running], held(NOW - 0.3)), stops([running], held(NOW - 0.3), NOW, WALL, 0.3)):
+        assert p.preempt_jobs == (PreemptJob(1, G0, BOB),) and p.confirms == ()
+    # 0: at once (as before)
+    p = run([running], held(NOW), brief_open_seconds=0.0)
+    assert p.preempt_jobs == (PreemptJob(1, G0, BOB),)
+    # busy for another reason (a context, memory, an unreadable process: held_since None): at once
+    ctx = Reason(Busy.CONTEXT, who=Who("bob", "python3", 4242), pid=4242, context="compute", mib=500)
+    p = stops([running], (GpuView(G0, True, ctx), free(G1)), NOW, WALL, 0.3)
+    assert p.preempt_jobs == (PreemptJob(1, G0, ctx),)
+
+
+def test_a_job_with_a_holder_to_confirm_still_meets_its_time_limit_and_its_other_gpus_stop_it():
+    over = job(1, state=J.RUNNING, gpus=(G0,), started=WALL - 10, time_limit=5.0)
+    p = stops([over], (GpuView(G0, True, BOB, held_since=NOW),), NOW, WALL, 0.25)
+    assert p.time_up == (TimeUp(1),) and p.confirms == (ConfirmJob(1, G0, BOB, NOW + 0.25),)
+    two = job(2, state=J.RUNNING, gpus=(G0, G1), started=WALL - 5, gpus_wanted=2)
+    gpus = (GpuView(G0, True, BOB, held_since=NOW), GpuView(G1, True, BOB, held_since=NOW - 1))
+    assert stops([two], gpus, NOW, WALL, 0.3).preempt_jobs == (PreemptJob(2, G1, BOB),)
 
 
 def test_the_start_delay_is_waited_for_and_woken_up_for():

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 APPLICATION_ID = 0x67706D6E  # "gpmn": marks the file as gpu-mon's history
 _SCHEMA_V1 = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -51,6 +51,8 @@ CREATE TABLE job_runs (
 CREATE UNIQUE INDEX job_runs_by_run ON job_runs (job, submitted, start);
 CREATE INDEX job_runs_by_end ON job_runs (end);
 """,
+    # 3: who preempted each preempted run (the reason `jobs` and the job's log give)
+    3: "ALTER TABLE job_runs ADD COLUMN preempted_by TEXT NOT NULL DEFAULT '';",
 }
 Error = sqlite3.Error
 OperationalError = sqlite3.OperationalError  # (a full disk, a lock: not a damaged file)
@@ -282,6 +284,7 @@ class JobRunRow:
     how: str
     wait: float
     restart: int
+    preempted_by: str = ""  # a preempted run: why, naming who ("" in a history before schema 3)
 
 
 def job_runs(conn: sqlite3.Connection, since: float, until: float) -> List[JobRunRow]:
@@ -290,14 +293,17 @@ def job_runs(conn: sqlite3.Connection, since: float, until: float) -> List[JobRu
     has = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='job_runs'").fetchone()
     if not has:
         return []
+    # (read-only, a history an older gpu-mon wrote is read as it is: schema 2 has no preempted_by)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(job_runs)")}
+    by = "preempted_by" if "preempted_by" in columns else "''"
     rows = conn.execute(
-        "SELECT job, user, name, gpus, submitted, start, end, how, wait, restart FROM job_runs "
+        f"SELECT job, user, name, gpus, submitted, start, end, how, wait, restart, {by} FROM job_runs "
         "WHERE (end > ? OR start >= ?) AND start < ? ORDER BY start, id",
         (since, since, until),
     )
     return [
-        JobRunRow(job, user, name, len([g for g in gs.split(",") if g]), sub, s, e, how, wait, restart)
-        for job, user, name, gs, sub, s, e, how, wait, restart in rows
+        JobRunRow(job, user, name, len([g for g in gs.split(",") if g]), sub, s, e, how, wait, restart, pb)
+        for job, user, name, gs, sub, s, e, how, wait, restart, pb in rows
     ]
 
 

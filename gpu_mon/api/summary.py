@@ -166,16 +166,26 @@ def _job_figures(run: historydb.JobRunRow, since: float, until: float) -> Dict[s
 
 
 def job_rows(runs: List[historydb.JobRunRow], since: float, until: float) -> List[dict]:
-    """Per queued job: its runs in the period, their GPU-seconds, preemptions and waits (queued time
-    before each start), and how its last run ended (`running` while it runs)."""
+    """Per queued job: its runs in the period, their GPU-seconds, preemptions (and why each, naming who:
+    `preempted_by`, in order) and waits (queued time before each start), and how its last run ended
+    (`running` while it runs)."""
     out: Dict[Tuple[int, float], dict] = {}
     for run in runs:  # (by start: the last one wins `last`)
         row = out.setdefault(
             (run.job, run.submitted),
-            {"job": run.job, "user": run.user, "name": run.name, **dict.fromkeys(JOB_FIGURES, 0)},
+            {
+                "job": run.job,
+                "user": run.user,
+                "name": run.name,
+                **dict.fromkeys(JOB_FIGURES, 0),
+                "preempted_by": [],
+            },
         )
-        for key, value in _job_figures(run, since, until).items():
+        figures = _job_figures(run, since, until)
+        for key, value in figures.items():
             row[key] += value
+        if figures["preemptions"]:
+            row["preempted_by"].append(run.preempted_by or "?")
         row["last"] = run.how
     return [_rounded(r) for r in sorted(out.values(), key=lambda r: (r["job"], r["user"]))]
 

@@ -435,7 +435,7 @@ def _row(j: dict, today: Optional[str] = None, arrays: Optional[Dict[str, dict]]
         *((_end(j.get("ended"), today),) if today is not None else ()),
         str(j["restarts"]),
         sanitize(what, limit=40),
-        sanitize(why),
+        sanitize(why, limit=400),  # (a wait's reason and the last preemption's, each naming who: whole)
     )
 
 

@@ -128,7 +128,8 @@ def render(doc: dict, by: str) -> List[str]:
 
 
 def _job_table(doc: dict, _hours) -> List[str]:
-    """A row per queued job: its runs, GPU time, preemptions, time waited before its starts, last end."""
+    """A row per queued job: its runs, GPU time, preemptions, time waited before its starts, last end, and
+    why each preemption was (who took the GPU)."""
     rows = [
         [
             str(j["job"]),
@@ -139,10 +140,11 @@ def _job_table(doc: dict, _hours) -> List[str]:
             str(j["preemptions"]),
             duration(j["wait_seconds"]),
             j["last"],
+            "; ".join(sanitize(why) for why in j.get("preempted_by", ())),
         ]
         for j in doc.get("jobs", [])
     ]
-    heads = ["job", "user", "name", "runs", "GPU time", "preemptions", "waited", "last run"]
+    heads = ["job", "user", "name", "runs", "GPU time", "preemptions", "waited", "last run", "preempted by"]
     return _table(heads, rows) if rows else [*_table(heads, []), "(no queued job ran in this period)"]
 
 

@@ -179,6 +179,8 @@ class QueueSection:
     grace_seconds: float = 30.0
     max_grace_seconds: float = 600.0
     start_delay_seconds: Optional[float] = None  # None: [defaults] start_delay_seconds
+    # A holder of a running job's GPU's node stops the job only once it has held it this long (placement.py)
+    brief_open_seconds: float = 0.3
     preempt_workloads: bool = True
     database: str = "/var/lib/gpu_mon/queue.sqlite"
     keep_finished_days: float = 7.0  # a finished job leaves the database after this long (0: never)

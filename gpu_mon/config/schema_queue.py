@@ -96,6 +96,15 @@ QUEUE = SectionSpec(
             "5",
         ),
         Key(
+            "brief_open_seconds",
+            "seconds, 0 to 2",
+            plain(v.up_to(2.0)),
+            "0.3",
+            "Someone else's process that holds a running job's GPU's node stops the job if it still holds "
+            "it this long after it was first seen (looked at again then): a brief probe does not. A context "
+            "NVML shows, memory over busy_memory_mib, anything else stops the job at once. 0: at once.",
+        ),
+        Key(
             "preempt_workloads",
             "boolean",
             plain(v.boolean),

@@ -78,6 +78,18 @@ def at_least(minimum: float) -> Callable[[str], float]:
     return parse
 
 
+def up_to(maximum: float) -> Callable[[str], float]:
+    """Seconds, from 0 to `maximum`."""
+
+    def parse(value: str) -> float:
+        number = seconds(value)
+        if number > maximum:
+            raise ValueError(f"{value!r} must be at most {maximum:g}")
+        return number
+
+    return parse
+
+
 def mib(value: str) -> int:
     """A whole number of MiB."""
     try:

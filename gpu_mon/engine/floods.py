@@ -11,16 +11,20 @@ a round) and the node is let go again; none ends the episode, with one line that
 lasts the GPU counts as busy, opened again and again by whoever the kernel or the scans named as its
 openers (policy: Busy.OPENS), so the log says busy and free once for it and the history has one interval.
 
-Never for a GPU where something of ours runs (a workload, a queue job, a Slurm job): every open there is
-looked at at once (engine/yieldpath.py), and a GPU let go is watched again as soon as something of ours is
-on it (`drop`). The caller keeps the watches (engine/opens.py) in step with `held()`.
+Never for a GPU where something of ours runs that yields at an open (a workload, a Slurm job): every open
+there is looked at at once (engine/yieldpath.py), and a GPU let go is watched again as soon as such a thing
+is on it (`drop`). A queue job that waits out brief opens ([queue] brief_open_seconds: the round's
+`patience`) is not such a thing: its GPU's opens again and again are let go as on an idle GPU, and count
+against the job (Busy.OPENS) only once they have gone on that long (an open looked at that long after the
+first: a CUDA program's or a monitor's few opens as it starts do not); a holder among the openers is looked
+at again by the queue's confirm. The caller keeps the watches (engine/opens.py) in step with `held()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from gpu_mon.api.model import Holder, OpenFlood
 
@@ -105,9 +109,15 @@ class Floods:
         """When the next episode's time is up (monotonic), or None."""
         return min((e.until for e in self.episodes.values()), default=None)
 
-    def seen(self) -> Tuple[OpenFlood, ...]:
-        """The episodes under way, as the policy sees them."""
-        return tuple(OpenFlood(u, e.since, e.by) for u, e in sorted(self.episodes.items()))
+    def seen(self, patience: Optional[Mapping[str, float]] = None) -> Tuple[OpenFlood, ...]:
+        """The episodes under way, as the policy sees them: on a GPU with `patience` (a job's that waits out
+        brief opens: how long), only once an open has been looked at that long after its first."""
+        patience = patience or {}
+        return tuple(
+            OpenFlood(u, e.since, e.by)
+            for u, e in sorted(self.episodes.items())
+            if u not in patience or e.last - e.since >= patience[u]
+        )
 
 
 def with_gpu(h: Holder, uuid: str) -> Holder:

@@ -79,6 +79,7 @@ class Round:
         publish."""
         if scan is not None and not self._scan(scan, pause):
             return
+        self._recheck(now)
         m = self.moment(now)
         snap = self.snapshot(now)
         decision = policy.decide(self.config, m.plan, snap, self.state)
@@ -111,6 +112,34 @@ class Round:
             scans.every_next = False
         return True
 
+    def _recheck(self, now: float) -> None:
+        """The holders of the GPUs a tier must know again now (a job's GPU opened a while ago: does its
+        opener still hold it?), read again. One that cannot be read is then hidden, and the GPU busy."""
+        gpus: Set[str] = set()
+        for tier in self.p.tiers:
+            gpus |= tier.recheck(now)
+        if not gpus:
+            return
+        obs = self.p.observer
+        pids = [h.pid for h in obs.holders if any(not h.ours_on(u) for u in h.gpus & gpus)]
+        if pids:
+            obs.scan("pids", self.p.supervisor.sessions(), pids)
+
+    def patience(self) -> Dict[str, float]:
+        """The GPUs where only jobs that wait out brief opens run (a tier's `patience`): how long opens
+        there may go on before they count, the least of their jobs'. Every open of any other GPU where
+        something of ours runs is looked at at once."""
+        out: Dict[str, float] = {}
+        eager: Set[str] = set()
+        for key, w in self.p.supervisor.workloads.items():
+            wait = max((t.patience(key) for t in self.p.tiers), default=0.0)
+            for uuid in w.instance.gpus:
+                if wait > 0:
+                    out[uuid] = min(out.get(uuid, wait), wait)
+                else:
+                    eager.add(uuid)
+        return {u: s for u, s in out.items() if u not in eager}
+
     def ensure_plan(self) -> policy.Plan:
         """The GPUs' rules as the config names them (resolved again while it has problems)."""
         reading = self.p.observer.reading
@@ -137,7 +166,7 @@ class Round:
             running=sup.running(),
             exited=() if quick else sup.take_exits(),
             unseen_opens=tuple(self.p.openers.unseen.values()),
-            open_floods=self.p.floods.seen(),
+            open_floods=self.p.floods.seen(self.patience()),
         )
         for tier in self.p.tiers:
             snap = tier.see(snap, quick)

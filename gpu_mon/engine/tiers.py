@@ -5,6 +5,8 @@ The loop calls every tier at the same points of a wake and of a round, in the or
 never asks which tier it is: a tier keeps the default (nothing) for a point it has no use for. The points,
 in the order of a round:
 
+  recheck  -> after the round's scan: the GPUs whose holders are read again before it decides (a holder
+              of a job's GPU that must still hold it a while after its open: [queue] brief_open_seconds)
   see      -> the snapshot as the policy must see it (the tier's jobs, or the GPUs they hold)
   ask      -> after the look again, before our own stops (Slurm is asked to requeue its jobs)
   place    -> after the workloads' stops: the tier yields and starts its own jobs; returns the decision's
@@ -70,6 +72,15 @@ class Tier:
     def wanted(self, now: float) -> bool:
         """Whether this wake needs a round for it (a request came, a delay ran out)."""
         return False
+
+    def patience(self, key: str) -> float:
+        """How long opens of the GPUs of this workload key may go on before they count (this tier's job
+        that waits out brief opens); 0: each open is looked at at once (not its job, or it does not wait)."""
+        return 0.0
+
+    def recheck(self, now: float) -> Set[str]:
+        """The GPUs whose holders this round must read again before it decides (a confirm is due)."""
+        return set()
 
     def see(self, snap: Snapshot, quick: bool) -> Snapshot:
         """The snapshot with what this tier knows (`quick`: for a first yield, nothing taken)."""

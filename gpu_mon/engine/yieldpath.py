@@ -113,10 +113,11 @@ class YieldPath:
     # ------------------------------------------------------------------ opens again and again (floods.py)
 
     def _guarded(self, uuid: str) -> bool:
-        """Something of ours is on this GPU (a workload or a queue job, a Slurm job): each open of its node
-        is looked at at once. Before the first round, every GPU is."""
+        """Something of ours that yields at an open is on this GPU (a workload, a queue job that does not
+        wait out brief opens, a Slurm job): each open of its node is looked at at once. Before the first
+        round, every GPU is."""
         if any(uuid in w.instance.gpus for w in self.p.supervisor.workloads.values()):
-            return True
+            return uuid not in self.round.patience()
         report = self.round.report
         if report is None:
             return True

@@ -426,10 +426,11 @@ class _Writer:
         _, key, run = op
         self.open["job_runs"].pop(key, None)
         self.conn.execute(
-            "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart) "
-            "VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?) "
-            "ON CONFLICT (job, submitted, start) DO UPDATE SET end = COALESCE(?, end), how = excluded.how",
-            (*_job_run(run), run.end, run.start, run.how, run.wait, run.restart, run.end),
+            "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart, "
+            "preempted_by) VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?, ?) "
+            "ON CONFLICT (job, submitted, start) DO UPDATE SET end = COALESCE(?, end), how = excluded.how, "
+            "preempted_by = excluded.preempted_by",
+            (*_job_run(run), run.end, run.start, run.how, run.wait, run.restart, run.preempted_by, run.end),
         )
 
 

@@ -184,6 +184,23 @@ def _holder_reasons(
     return reasons
 
 
+def held_since(
+    uuid: str, rules: GpuSection, snap: Snapshot, first_seen: Mapping[tuple, float], reasons: List[Reason]
+) -> Optional[float]:
+    """When a GPU busy only because processes hold its node (each reason a Busy.HOLDER) has been held
+    since: the first time the longest of those holders was seen there. None when any other reason makes
+    it busy (a context, memory, a process that cannot be read: those count at once) or it is free."""
+    if not reasons or any(r.kind != Busy.HOLDER for r in reasons):
+        return None
+    pids = {r.who.pid for r in reasons if r.who is not None}
+    seen = [
+        first_seen.get((h.pid, h.start_ticks, uuid), snap.now)
+        for h in snap.holders
+        if h.pid in pids and uuid in h.gpus and not h.ours_on(uuid) and not ignored(h, rules)
+    ]
+    return min(seen) if seen else None
+
+
 def _nvml_reasons(uuid: str, rules: GpuSection, snap: Snapshot) -> List[Reason]:
     """Foreign NVML contexts on the GPU, and memory used by others beyond busy_memory_mib."""
     gpu = snap.gpu(uuid)
@@ -334,7 +351,8 @@ def _verdicts(
             free_since.pop(uuid, None)
         else:
             free_since.setdefault(uuid, snap.now)
-        verdicts[uuid] = Verdict(uuid, busy, tuple(reasons), free_since.get(uuid))
+        held = held_since(uuid, rules, snap, first_seen, reasons)
+        verdicts[uuid] = Verdict(uuid, busy, tuple(reasons), free_since.get(uuid), held)
     return verdicts
 
 

@@ -65,6 +65,9 @@ class Verdict:
     busy: bool
     reasons: Tuple[Reason, ...] = ()
     free_since: Optional[float] = None
+    # Busy only because processes hold its node (every reason a Busy.HOLDER): since when the one that has
+    # held it longest has (monotonic). None: free, or busy for any other reason (which counts at once).
+    held_since: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@
 since when, which [process-*] workload runs on it), the [queue] limits and the time, and returns typed
 decisions and a typed reason for every waiting job; words come only in the front-ends. No I/O, no clock.
 
-Tiers: someone else's use of a GPU stops a job on it (the policy's verdict says busy); a job outranks a
+Tiers: someone else's use of a GPU stops a job on it (the policy's verdict says busy), except that a process
+that only holds the GPU's node must have held it for [queue] brief_open_seconds first (a brief probe that
+let go by then stops nothing; anything else that makes the GPU busy stops the job at once); a job outranks a
 [process-*] workload (it takes the workload's GPU when `preempt_workloads`). Order: `fair` (fewest
 GPU-seconds over the window first, then priority, then submission) or `fifo` (priority, then submission);
 a job that cannot start does not keep a later one from starting on other GPUs. Cost: O(jobs * GPUs) plus a
@@ -38,6 +40,7 @@ class GpuView:
     free_since: Optional[float] = None
     workload: str = ""  # the key of a [process-*] workload running on it
     workload_stopping: bool = False
+    held_since: Optional[float] = None  # busy only by holders of its node: since when (Verdict.held_since)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,17 @@ class PreemptJob:
     job: int
     gpu: str
     reason: Optional[Reason]
+
+
+@dataclass(frozen=True)
+class ConfirmJob:
+    """Someone else opened one of the job's GPUs and holds its node: the job stops only if the GPU is still
+    held at `at` (monotonic; the holders looked at again then), else it runs on."""
+
+    job: int
+    gpu: str
+    reason: Optional[Reason]
+    at: float
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,7 @@ class Waiting:
 class Placement:
     starts: Tuple[StartJob, ...] = ()
     preempt_jobs: Tuple[PreemptJob, ...] = ()
+    confirms: Tuple[ConfirmJob, ...] = ()  # (next_wake counts them)
     time_up: Tuple[TimeUp, ...] = ()
     cancels: Tuple[CancelJob, ...] = ()
     preempt_workloads: Tuple[PreemptWorkload, ...] = ()
@@ -148,16 +163,43 @@ def _users(live: Sequence[Job], used: Sequence[Job], now: float, window: float) 
     return u
 
 
-def _running(jobs: Sequence[Job], gpus: Dict[str, GpuView], now: float, wall: float, out: dict) -> None:
-    """Stops for running jobs: someone else on one of their GPUs, or their time is up (job times are
-    wall-clock, wakes monotonic)."""
+def confirm_at(gpu: GpuView, brief: float) -> Optional[float]:
+    """When the use of a busy GPU stops the jobs on it, if not at once: a GPU that only processes holding
+    its node make busy must have been held for `brief` seconds (monotonic time; they are looked at again
+    then). None: now (busy for any other reason, which counts at once, or `brief` is 0)."""
+    if not gpu.busy or gpu.held_since is None or brief <= 0:
+        return None
+    return gpu.held_since + brief
+
+
+def _running(
+    jobs: Sequence[Job], gpus: Dict[str, GpuView], now: float, wall: float, out: dict, brief: float
+) -> None:
+    """Stops for running jobs: someone else on one of their GPUs (a holder of its node only once it has
+    held it `brief` seconds: until then a confirm), or their time is up (job times are wall-clock, wakes
+    monotonic)."""
     for j in jobs:
         if j.state != J.RUNNING:
             continue
-        busy = [u for u in j.gpus if u in gpus and gpus[u].busy]
+        later: Dict[str, float] = {}  # its GPUs held for less than `brief`: when to look again
+        busy = []
+        for u in j.gpus:
+            g = gpus.get(u)
+            if g is None or not g.busy:
+                continue
+            at = confirm_at(g, brief)
+            if at is not None and at > now:
+                later[u] = at
+            else:
+                busy.append(u)
         if busy:
             out["preempt"].append(PreemptJob(j.id, busy[0], gpus[busy[0]].reason))
-        elif j.time_limit is not None and j.started is not None:
+            continue
+        if later:
+            u = min(later, key=later.__getitem__)
+            out["confirm"].append(ConfirmJob(j.id, u, gpus[u].reason, later[u]))
+            out["wakes"].append(later[u])
+        if j.time_limit is not None and j.started is not None:
             end = j.started + j.time_limit
             if wall >= end:
                 out["time_up"].append(TimeUp(j.id))
@@ -336,13 +378,17 @@ def never_fits(gpus_wanted: int, queue_gpus: int, q: QueueSection) -> Optional[W
     return None
 
 
-def stops(jobs: Sequence[Job], gpus: Sequence[GpuView], now: float, wall: float) -> Placement:
-    """Only what must stop now (someone else on a running job's GPU, a time limit): the yield path's part
-    of `place`, in time proportional to the running jobs."""
-    out: dict = {"preempt": [], "time_up": [], "wakes": []}
-    _running(jobs, {g.uuid: g for g in gpus}, now, wall, out)
+def stops(
+    jobs: Sequence[Job], gpus: Sequence[GpuView], now: float, wall: float, brief: float = 0.0
+) -> Placement:
+    """Only what must stop now (someone else on a running job's GPU, a time limit) and the holders to
+    confirm (`brief`: [queue] brief_open_seconds): the yield path's part of `place`, in time proportional
+    to the running jobs."""
+    out: dict = {"preempt": [], "confirm": [], "time_up": [], "wakes": []}
+    _running(jobs, {g.uuid: g for g in gpus}, now, wall, out, brief)
     return Placement(
         preempt_jobs=tuple(out["preempt"]),
+        confirms=tuple(out["confirm"]),
         time_up=tuple(out["time_up"]),
         next_wake=min(out["wakes"]) if out["wakes"] else None,
     )
@@ -362,8 +408,8 @@ def place(
     Pure: inputs are not changed."""
     by_id = {j.id: j for j in jobs}
     sorted_out = _sort(jobs)
-    out: dict = {"preempt": [], "time_up": [], "wakes": []}
-    _running(sorted_out.live, {g.uuid: g for g in gpus}, now, wall, out)
+    out: dict = {"preempt": [], "confirm": [], "time_up": [], "wakes": []}
+    _running(sorted_out.live, {g.uuid: g for g in gpus}, now, wall, out, q.brief_open_seconds)
     users = _users(sorted_out.live, sorted_out.used, wall, q.fair_window_hours * 3600)
     placer = _Placer(gpus, q, start_delay, now, wall, users)
     placer.by_id = by_id
@@ -382,6 +428,7 @@ def place(
     return Placement(
         starts=tuple(placer.starts),
         preempt_jobs=tuple(out["preempt"]),
+        confirms=tuple(out["confirm"]),
         time_up=tuple(out["time_up"]),
         cancels=tuple(cancels),
         preempt_workloads=tuple(placer.preempt_workloads),
@@ -409,6 +456,7 @@ def later(plan: Placement, now: float) -> Placement:
         plan,
         starts=tuple(s.start for s in due),
         preempt_jobs=(),
+        confirms=(),
         time_up=(),
         cancels=(),
         preempt_workloads=(),

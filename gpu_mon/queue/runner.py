@@ -130,6 +130,9 @@ class Queue:
         self._live_jobs: List[Job] = []  # (_live: the running and stopping jobs at _live_version)
         self._live_version = -1
         self.force_place = False  # a job ended (its GPUs may take the next one at once)
+        # Running jobs' GPUs that someone else opened and holds, by GPU: the job stops if they still do at
+        # the confirm's time ([queue] brief_open_seconds; the round then reads their holders again)
+        self.confirms: Dict[str, placement.ConfirmJob] = {}
         self.runs = Runs()  # what status, history and metrics hear of (report())
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
         # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
@@ -330,8 +333,9 @@ class Queue:
             return decision
         self.finder.look()
         views = self._views(decision, uuids)
-        urgent = placement.stops(self._live(), views, now, wall)  # the yield path first
+        urgent = placement.stops(self._live(), views, now, wall, self.q.brief_open_seconds)  # stops first
         self._preempt(urgent, index_of, now)
+        self._spared(urgent, index_of)
         self._time_up(urgent)
         self._reconcile(now)
         self._runs_seen()  # every end of this round is seen before a job starts again
@@ -350,7 +354,8 @@ class Queue:
         if not force and inputs != self.placed_on and now < self.placed_at + PLACE_GAP:
             # Only requests changed the queue (a burst of submits): place again at most every PLACE_GAP.
             soon = self.placed_at + PLACE_GAP
-            self.next_wake = soon if self.next_wake is None else min(soon, self.next_wake)
+            wakes = [w for w in (soon, self.next_wake, urgent.next_wake) if w is not None and w > now]
+            self.next_wake = min(wakes)
             self.place_pending = True
             return _without_claimed(decision, self.plan.claimed, self._ref) if self.plan else decision
         if force or inputs != self.placed_on:
@@ -393,8 +398,9 @@ class Queue:
         if version != self.runs.version:
             self.runs.seen(self.store.all(), version, self.wall())
 
-    def hit(self, decision: Decision, uuids: List[str]) -> Set[str]:
-        """The GPUs of running jobs that this decision finds busy (someone else uses them)."""
+    def hit(self, decision: Decision, uuids: List[str], now: float) -> Set[str]:
+        """The GPUs of running jobs that this decision finds busy (someone else uses them), less those
+        only held for less than brief_open_seconds (the round after confirms them later)."""
         running = {
             u
             for w in self.supervisor.workloads.values()
@@ -404,14 +410,19 @@ class Queue:
         busy = set()
         for u in running & set(uuids):
             v = decision.verdicts.get(u)
-            if v is None or v.busy:
+            if v is not None and not v.busy:
+                continue
+            held = v.held_since if v is not None else None
+            at = placement.confirm_at(placement.GpuView(u, True, held_since=held), self.q.brief_open_seconds)
+            if at is None or at <= now:
                 busy.add(u)
         return busy
 
     def yield_first(self, decision: Decision, index_of: Dict[str, int], uuids: List[str], now: float) -> None:
         """A foreign open's first look found a running job's GPU busy (confirmed by the look again): the job
         is stopped at once, before the rest of /proc is read, as a workload is."""
-        urgent = placement.stops(self._running(), self._views(decision, uuids), now, self.wall())
+        views = self._views(decision, uuids)
+        urgent = placement.stops(self._running(), views, now, self.wall(), self.q.brief_open_seconds)
         for p in urgent.preempt_jobs:
             log.debug("stopping job %s before reading the rest of /proc", self._ref(p.job))
         self._preempt(urgent, index_of, now)
@@ -445,7 +456,8 @@ class Queue:
             reason = v.reasons[0] if v is not None and v.reasons else None
             key, stopping = on.get(u, ("", False))
             free = v.free_since if v is not None else None
-            views.append(placement.GpuView(u, busy, reason, free, key, stopping))
+            held = v.held_since if v is not None else None
+            views.append(placement.GpuView(u, busy, reason, free, key, stopping, held))
         return views
 
     def _preempt(self, plan: placement.Placement, index_of: Dict[str, int], now: float) -> None:
@@ -469,6 +481,30 @@ class Queue:
                 at = time.strftime(_CLOCK, time.localtime(wall))
                 why = job.preempted_reason
                 self.note(job, f"gpu-mon: job {J.ref(job)} preempted at {at}: {why}; {again}")
+
+    def _spared(self, urgent: placement.Placement, index_of: Dict[str, int]) -> None:
+        """Keep this round's confirms; a job whose GPU's holder let go before its confirm runs on (said
+        once, naming who)."""
+        pending = {c.gpu: c for c in urgent.confirms}
+        stopped = {p.gpu for p in urgent.preempt_jobs}
+        for gpu, c in self.confirms.items():
+            w = self.supervisor.workloads.get(job_key(c.job))
+            if gpu in pending or gpu in stopped or w is None or w.stopping:
+                continue
+            by = c.reason.who if c.reason is not None else None
+            who = words.who(by) if by is not None else "its opener"
+            log.info(
+                "queue: job %s runs on: %s let go of %s within %g s",
+                self._ref(c.job),
+                who,
+                words.gpu(gpu, index_of),
+                self.q.brief_open_seconds,
+            )
+        self.confirms = pending
+
+    def confirms_due(self, now: float) -> Set[str]:
+        """The running jobs' GPUs whose holders must be read again now: does their opener still hold it?"""
+        return {gpu for gpu, c in self.confirms.items() if now >= c.at}
 
     def _reconcile(self, now: float) -> None:
         """Jobs marked stopping (cancel, time limit, shutdown) whose workload has not been told yet."""

@@ -41,6 +41,7 @@ class JobRun:
     earlier: bool = False  # it began under an earlier daemon
     array_id: int = 0  # an array's element: its array and index (J.shown names it `17_5`)
     array_index: int = 0
+    preempted_by: str = ""  # how = preempted: why, naming who (`GPU 1 busy: bob python3[4242] holds ...`)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,9 @@ class Runs:
         if again is not None:  # it ended and started again between two looks: its restart says why
             return dataclasses.replace(run, end=again.queued_at or again.started, how=REQUEUED)
         end = job.ended if job is not None and job.ended is not None and job.ended >= run.start else wall
-        return dataclasses.replace(run, end=end, how=how_it_ended(job))
+        how = how_it_ended(job)
+        by = job.preempted_reason if how == PREEMPTED and job is not None else ""
+        return dataclasses.replace(run, end=end, how=how, preempted_by=by)
 
     def take(self) -> QueueReport:
         """The queue now, with the runs that began or ended since the last `take`."""

@@ -59,6 +59,15 @@ class QueueTier(Tier):
     def wanted(self, now: float) -> bool:
         return self.queue is not None and self.queue.wanted(now)
 
+    def patience(self, key: str) -> float:
+        q = self.config.queue
+        if q is None or self.queue is None or not key.startswith(PREFIX):
+            return 0.0
+        return q.brief_open_seconds
+
+    def recheck(self, now: float) -> Set[str]:
+        return self.queue.confirms_due(now) if self.queue is not None else set()
+
     def see(self, snap: Snapshot, quick: bool) -> Snapshot:
         return snap if quick or self.queue is None else self.queue.take_jobs(snap)
 
@@ -67,7 +76,8 @@ class QueueTier(Tier):
         return queue_gpus(self.queue.q, moment.plan.rules, moment.plan.index_of)
 
     def hit(self, decision: Decision, moment: Moment) -> Set[str]:
-        self.hits = self.queue.hit(decision, self._gpus(moment)) if self.queue is not None else set()
+        q = self.queue
+        self.hits = q.hit(decision, self._gpus(moment), moment.now) if q is not None else set()
         return self.hits
 
     def yield_first(self, decision: Decision, moment: Moment) -> None:
