@@ -11,6 +11,7 @@ Outside the container (no systemd as PID 1 here) the direct path is chosen: test
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -363,6 +364,21 @@ def test_a_restart_of_gpu_mon_leaves_its_running_job_untouched_and_takes_it_over
     lab.svc.wait_line(rf"^queue: job {job} of {USER} exited with status 3: failed$", after=before)
     assert not lab.unit_lines(f"gpu-mon-job-{job}-r1.service"), "the job ran a second time"
     assert not list(lab.box.path("/var/lib/gpu_mon").glob("gpu-mon-job-*"))  # (its record taken)
+
+
+def test_a_job_taken_over_keeps_its_time_limit_counted_from_its_start(lab: Lab):
+    flag = f"/home/{USER}/qjob-go"
+    job = lab.submit("until", flag, "0", options=("--time-limit", "6"))
+    info = lab.report(job, 0)
+    before = time.time()
+    lab.svc.systemctl("restart", UNIT)
+    _taken_over(lab, job, before)
+    ended = lab.wait_job(job, "timeout")
+    assert ended["restarts"] == 0 and lab.home(f"qjob-{job}-0.signals").read_text() == "SIGTERM\n"
+    at = lambda k: datetime.datetime.strptime(ended[k], "%Y-%m-%dT%H:%M:%S%z").timestamp()  # noqa: E731
+    ran = at("ended") - at("started")  # (whole seconds)
+    assert 5 <= ran <= 6 + 4, ran  # from its start under the old gpu-mon, not from the takeover
+    assert not lab.alive(info["pid"])
 
 
 def test_a_killed_daemon_leaves_its_job_running_and_the_next_one_yields_it(lab: Lab):
