@@ -32,15 +32,10 @@ from gpu_mon.policy import words
 from gpu_mon.policy.decisions import Instance
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.notes import at
 from gpu_mon.queue.store import Store
 
 log = logging.getLogger("gpu_mon")
-
-CLOCK = "%H:%M:%S"  # the time in the lines written into a job's output
-
-
-def at(wall: float) -> str:
-    return time.strftime(CLOCK, time.localtime(wall))
 
 
 class Queue(Protocol):

@@ -19,12 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pwd
-import stat
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-from gpu_mon import safefile
 from gpu_mon.api.model import Exited, Snapshot
 from gpu_mon.api.procfs import read_stat
 from gpu_mon.api.text import sanitize
@@ -32,12 +29,11 @@ from gpu_mon.config import Config, QueueSection
 from gpu_mon.engine.lock import DaemonLock
 from gpu_mon.engine.workloads import ends, transient
 from gpu_mon.engine.workloads.stopping import StopRule
-from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor, unit_launch
-from gpu_mon.engine.workloads.transient import Unit
+from gpu_mon.engine.workloads.supervisor import Launch, StartError, Supervisor
 from gpu_mon.policy import words
 from gpu_mon.policy.decisions import Decision, Instance, Start, Wait
 from gpu_mon.queue import jobs as J
-from gpu_mon.queue import placement
+from gpu_mon.queue import launching, notes, placement
 from gpu_mon.queue.adopt import Finder
 from gpu_mon.queue.hookleader import LeaderHooks
 from gpu_mon.queue.hooks import Hooks, Notices
@@ -53,21 +49,6 @@ log = logging.getLogger("gpu_mon")
 
 PREFIX = "job:"
 PLACE_GAP = 0.2  # seconds between two placements that only requests (submit, cancel, ...) asked for
-# Run as the user: go to the submit directory, make the default output directory (0700), open the output
-# file with the user's own rights (never root's), then become the command. $1 directory, $2 output file,
-# $3 the directory to make ("-" with --output), the rest the command. What fails is said on stderr, which the
-# leader reads (`note_stderr`) as the job's reason: `cannot open /x/3.log: Permission denied` (the shell's
-# own message ends with the error, after its last `: `).
-_WRAPPER = (
-    'fail() { printf "%s: %s\\n" "$1" "${2##*: }" >&2; exit 126; }; '
-    'cd -- "$1" 2>/dev/null || fail "cannot enter $1" "$([ -d "$1" ] && echo Permission denied '
-    '|| echo No such directory)"; '
-    '[ "$3" = - ] || e=$( (umask 077; mkdir -p -- "$3") 2>&1) || fail "cannot make $3" "$e"; '
-    'e=$( (umask 077; : >>"$2") 2>&1) || { [ -d "${2%/*}/" ] || e="No such file or directory"; '
-    'fail "cannot open $2" "$e"; }; '
-    'exec >>"$2" 2>&1 || exit 126; shift 3; exec "$@"'
-)
-_CLOCK = "%H:%M:%S"  # the time in the lines written into a job's output
 
 
 def job_key(job_id: int) -> str:
@@ -137,7 +118,7 @@ class Queue:
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
         # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
         self.outside = UserUnits(supervisor.helpers, self.run_dir) if self.systemd else None
-        self.note = self.outside.note if self.outside is not None else note
+        self.note = self.outside.note if self.outside is not None else notes.note
         launch = self.outside.hook if self.outside is not None else LeaderHooks(groups_of).hook
         self.hooks = Hooks(output_of, groups_of, self.note, supervisor.helpers, launch)
 
@@ -183,7 +164,7 @@ class Queue:
         changed = self.store.change_many([(j.id, restart) for j in running])
         for job in changed:
             if job is not None:
-                at = time.strftime(_CLOCK, time.localtime(self.wall()))
+                at = notes.at(self.wall())
                 self.note(job, f"gpu-mon: job {J.ref(job)} stopped at {at}: gpu-mon is stopping; requeued")
 
     def leave_running(self) -> int:
@@ -478,7 +459,7 @@ class Queue:
         for job in changed:
             if job is not None:
                 again = f"requeued (restart {job.restarts + 1})" if job.requeue else "not requeued"
-                at = time.strftime(_CLOCK, time.localtime(wall))
+                at = notes.at(wall)
                 why = job.preempted_reason
                 self.note(job, f"gpu-mon: job {J.ref(job)} preempted at {at}: {why}; {again}")
 
@@ -517,7 +498,7 @@ class Queue:
                 why = {J.STOP_CANCEL: "cancelled", J.STOP_TIMEOUT: "time limit"}.get(job.reason, job.reason)
                 self.supervisor.stop(job_key(job.id), why, now)
                 self._say("queue: job %s (%s): %s; stopping it", J.ref(job), sanitize(job.user), why)
-                self.note(job, _stop_line(job, self.wall()))
+                self.note(job, notes.stop_line(job, self.wall()))
             elif w is None and job.id not in self.finder.orphans:
                 gone.append(job.id)  # (its workload is gone, and its exit was taken: not expected)
         wall = self.wall()
@@ -677,27 +658,11 @@ class Queue:
         """The job run directly, or (systemd) `systemd-run` starting it as a unit of its own."""
         end_file = self.end_path(job)
         ends.remove(end_file)  # (one left by an earlier run of this number: never taken for this one's)
-        direct = dataclasses.replace(_launch(job, gpus), end_file=end_file)
+        direct = dataclasses.replace(launching.direct(job, gpus), end_file=end_file)
         if not self.systemd:
             return direct
-        name = transient.unit_name(job.id, job.restarts)
-        env, dropped = transient.environment(direct.env)
-        if dropped:
-            names = sanitize(", ".join(sorted(dropped)), limit=200)
-            log.info("queue: job %s: not passed to its unit (systemd refuses them): %s", J.ref(job), names)
-        what = f"gpu-mon job {J.ref(job)} of {job.user} (restart {job.restarts})"
-        try:
-            env_path = transient.env_file(self.run_dir, name, env)
-        except OSError as err:  # (never on systemd-run's command line: anyone may read that)
-            raise StartError(f"cannot write its environment for systemd: {err.strerror or err}") from None
-        argv = transient.command(
-            *(name, what, direct.argv, env_path, job.uid, job.gid, job.stop_signal, job.grace, end_file),
-            main_only=job.stop_main_only,
-            stderr=transient.stderr_file(self.run_dir, name),
-            devices=self._devices(gpus),
-        )
-        unit = Unit(name, transient.unit_group(name))
-        return unit_launch(argv, unit, end_file, self.q.unguarded_seconds)
+        devices = self._devices(gpus)
+        return launching.as_unit(job, direct, self.run_dir, devices, self.q.unguarded_seconds)
 
 
 def _cancel_queued(job: Job, wall: float, reason: str) -> Optional[Job]:
@@ -711,93 +676,8 @@ def _alive(pid: int, ticks: int) -> bool:
     return st is not None and st.start_ticks == ticks and st.state != "Z"
 
 
-def _launch(job: Job, gpus: Tuple[str, ...]) -> Launch:
-    """The job's command as the leader runs it: as the user, through the wrapper."""
-    env = dict(job.env)
-    env.update(
-        {
-            "CUDA_VISIBLE_DEVICES": ",".join(gpus),
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "GPU_MON_JOB_ID": str(job.id),
-            "GPU_MON_RESTART_COUNT": str(job.restarts),
-        }
-    )
-    if job.array_id:
-        env.update({"GPU_MON_ARRAY_ID": str(job.array_id), "GPU_MON_ARRAY_INDEX": str(job.array_index)})
-    switch = os.geteuid() == 0
-    if not switch and job.uid != os.geteuid():
-        try:
-            name = pwd.getpwuid(job.uid).pw_name
-        except KeyError:
-            name = str(job.uid)
-        raise StartError(f"cannot run as {name}: gpu-mon is not running as root")
-    output = output_of(job)
-    make = "-" if job.output else os.path.dirname(output)  # (--output's directory is the user's to make)
-    return Launch(
-        argv=("/bin/sh", "-c", _WRAPPER, "gpu-mon-job", job.cwd, output, make, *job.command),
-        dir="/",
-        env=env,
-        uid=job.uid,
-        gid=job.gid,
-        groups=groups_of(job.uid, job.gid),
-        switch_user=switch,
-        note_stderr=True,
-    )
-
-
 def _reason(job: Job, reason: str) -> Job:
     return dataclasses.replace(job, reason=reason)
-
-
-def _stop_line(job: Job, wall: float) -> str:
-    """The line a cancel or time limit writes into the job's output."""
-    at = time.strftime(_CLOCK, time.localtime(wall))
-    if job.reason == J.STOP_CANCEL:
-        by = f" by {job.stopped_by}" if job.stopped_by else ""
-        return f"gpu-mon: job {J.ref(job)} cancelled at {at}{by}"
-    if job.reason == J.STOP_TIMEOUT:
-        limit = f" ({words.duration(job.time_limit)})" if job.time_limit else ""
-        return f"gpu-mon: job {J.ref(job)} reached its time limit{limit} at {at}; stopping it"
-    return f"gpu-mon: job {J.ref(job)} stopped at {at}: {job.reason}"
-
-
-def note(job: Job, text: str) -> bool:
-    """One line into the job's output, as Slurm writes into a job's: root writes it, so only into a regular
-    file that the job's user owns and may write, never through a symbolic link at its end, and never by
-    opening anything else (O_PATH first: a device or FIFO put there is not opened), nor through a link in
-    any component (a directory swapped for one after the start). Whether it was written."""
-    path = output_of(job)
-    try:
-        where = safefile.open_no_links(path, os.O_PATH)
-    except ValueError as err:  # (a NUL or a lone surrogate in its --output: an older gpu-mon let it in)
-        log.info("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err)
-        return False
-    except safefile.UnsafeFile as err:
-        log.debug("queue: job %s: no line written: %s", J.ref(job), sanitize(str(err)))
-        return False
-    try:
-        st = os.fstat(where)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != job.uid or not st.st_mode & stat.S_IWUSR:
-            named = sanitize(path)
-            log.info("queue: job %s: %s is not a file of its user: no line written", J.ref(job), named)
-            return False
-        # The inode just checked, opened again (not the path: it may have changed since)
-        fd = os.open(f"/proc/self/fd/{where}", os.O_RDWR | os.O_APPEND | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as err:
-        log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err.strerror)
-        return False
-    finally:
-        os.close(where)
-    try:
-        size = os.fstat(fd).st_size
-        apart = b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""  # (after a partial line)
-        os.write(fd, apart + (sanitize(text, limit=1000) + "\n").encode("utf-8", "backslashreplace"))
-        return True
-    except OSError as err:
-        log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err.strerror)
-        return False
-    finally:
-        os.close(fd)
 
 
 def _without_claimed(decision: Decision, claimed: Dict[str, int], ref: Callable[[int], str]) -> Decision:
