@@ -95,10 +95,6 @@ class Leader:
     def start(self) -> Optional[int]:
         """Start the command; return an exit code when it cannot be started."""
         s = self.spec
-        # A stop signal sent to the group before the command exists reached only us (blocked, and never
-        # taken): taken here, it is passed on once the command runs (else the command never sees it, and
-        # is killed at the end of its grace instead). SIGTERM is taken by `run` in any case.
-        early = self.stop_signal in _STRAY and signal.sigtimedwait({self.stop_signal}, 0) is not None
         kwargs: dict = {}
         if s.get("switch_user"):
             kwargs.update(user=s["uid"], group=s["gid"], extra_groups=list(s["groups"]))
@@ -134,6 +130,11 @@ class Leader:
             if note_w is not None:
                 os.close(note_w)
         self.report(f"started {self.child.pid}")
+        # A stop signal sent to the group before the command existed (or while it was being started)
+        # reached only us (blocked, and never taken): taken here, once the command runs, it is passed on
+        # (else the command never sees it, and is killed at the end of its grace instead: a restart of
+        # gpu-mon just after a workload's start lost its checkpoint signal so). SIGTERM is taken by `run`.
+        early = self.stop_signal in _STRAY and signal.sigtimedwait({self.stop_signal}, 0) is not None
         if early:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpid(), self.stop_signal)  # (blocked here: the command's, only)
