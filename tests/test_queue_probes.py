@@ -18,6 +18,7 @@ from typing import Iterator
 
 import pytest
 from conftest import GPU_MON, foreign_open, wait_for, workload_cmd
+from test_open_flood import FLOOD  # (as fast as Python goes; says how many opens when stopped)
 from test_queue import JOB, PY, Lab, User, made_lab, queue_body
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
@@ -38,19 +39,6 @@ import os, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)
 print(time.time(), flush=True)
 time.sleep(0.05)
-"""
-# As fast as Python goes; says how many opens when stopped (SIGTERM)
-FLOOD = r"""
-import os, signal, sys
-n = 0
-def done(*_):
-    print(n, flush=True)
-    os._exit(0)
-signal.signal(signal.SIGTERM, done)
-print("flooding", flush=True)
-while True:
-    os.close(os.open(sys.argv[1], os.O_RDONLY))
-    n += 1
 """
 FLOOD_SECONDS = 3.0  # how long the flood runs: the load, not a wait for a result
 # Opens the node and keeps it (a newcomer's CUDA program), saying when (wall clock)
