@@ -128,14 +128,7 @@ def of_unit(text: str) -> Optional[tuple]:
     found = re.findall(_UNIT_ENDED, text, re.M)
     if not found:
         return None
-    kind, value = found[-1]
-    if kind == "exited":
-        return (int(value), 0) if value.isdigit() else None
-    name = value if value.startswith("SIG") else f"SIG{value}"
     try:
-        sig = int(signal.Signals[name])
-    except KeyError:
-        if not value.isdigit():
-            return None
-        sig = int(value)
-    return 128 + sig, sig
+        return _of_systemd(*found[-1])
+    except (KeyError, ValueError):
+        return None

@@ -74,23 +74,6 @@ def choose(launcher: str, root: bool, run_dir: str = SYSTEMD_DIR) -> bool:
     return usable and root
 
 
-def own_service(proc: str = procfs.PROC) -> Optional[str]:
-    """The service unit this process is the main process of (`gpu-mon.service`: started by systemd, in the
-    unit's group), or None (started from a shell, or by another service's process)."""
-    if os.getppid() != 1:
-        return None
-    try:
-        with open(f"{proc}/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    path = next((line[3:] for line in lines if line.startswith("0::")), "")
-    if not path:
-        path = next((line.split(":", 2)[2] for line in lines if ":name=systemd:" in line), "")
-    units = [part for part in path.split("/") if part.endswith(".service")]
-    return units[-1] if units else None
-
-
 _WAIT_CODE = (
     "import sys; sys.path.insert(0, {!r}); import gpu_mon.engine.workloads.unitwait as m; sys.exit(m.main())"
 )
