@@ -77,7 +77,7 @@ class Finder:
                 self._unit(job)
             else:
                 self._direct(job)
-        if q.systemd:
+        if q.systemd or self.taken:  # (a unit taken over under `launcher = direct` is guarded too)
             self.disarm()
 
     def _unit(self, job: Job) -> None:
