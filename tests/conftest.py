@@ -16,6 +16,7 @@ import pwd
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -629,6 +630,37 @@ def run_as_nobody(
 
 
 @contextlib.contextmanager
+def names_held(names: Sequence[str], deadline: float = 600.0) -> Iterator[None]:
+    """Hold these user and group names for this test run alone while the block runs: two runs of the suite
+    at once on one machine (two checkouts) would otherwise make and remove each other's users. Each name
+    is an abstract Unix socket bound by the holder (no file is left; the kernel frees it when the holder
+    dies); a name another run holds is waited for, up to `deadline` seconds."""
+    held: List[socket.socket] = []
+    try:
+        for name in sorted(set(names)):
+            held.append(_hold_name(name, deadline))
+        yield
+    finally:
+        for s in held:
+            s.close()
+
+
+def _hold_name(name: str, deadline: float) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            s.bind(f"\0gpu-mon-test-name-{name}")
+            return s
+        except OSError:
+            if time.monotonic() > end:
+                s.close()
+                held = f"another test run has held the user name {name} for {deadline:.0f} s"
+                raise AssertionError(held) from None
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
 def made_user(name: str, groups: Tuple[str, ...] = ()) -> Iterator[pwd.struct_passwd]:
     """A user made for the test (its own primary group, no home, no login), also in `groups` (made for
     it too); user and groups removed afterwards. Leftovers of the same names (a killed run) go first."""
@@ -642,15 +674,16 @@ def made_user(name: str, groups: Tuple[str, ...] = ()) -> Iterator[pwd.struct_pa
         r = subprocess.run(argv, capture_output=True, text=True)
         assert r.returncode == 0, f"{' '.join(argv)}: {r.stderr.strip()}"
 
-    remove()
-    try:
-        for group in groups:
-            make(["groupadd", group])
-        shell = ["-s", "/usr/sbin/nologin", "-d", "/nonexistent"]
-        make(["useradd", "-M", "-U", *shell, *(["-G", ",".join(groups)] if groups else []), name])
-        yield pwd.getpwnam(name)
-    finally:
+    with names_held((name, *groups)):
         remove()
+        try:
+            for group in groups:
+                make(["groupadd", group])
+            shell = ["-s", "/usr/sbin/nologin", "-d", "/nonexistent"]
+            make(["useradd", "-M", "-U", *shell, *(["-G", ",".join(groups)] if groups else []), name])
+            yield pwd.getpwnam(name)
+        finally:
+            remove()
 
 
 def read_reports(path: Path) -> List[Dict[str, object]]:

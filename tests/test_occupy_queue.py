@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, List
 
 import pytest
-from conftest import UUIDS, SimHost, kill_marked, occupy_paths_of_the_copy, wait_for
+from conftest import UUIDS, SimHost, kill_marked, names_held, occupy_paths_of_the_copy, wait_for
 from test_queue import JOB, PY, Lab, _make_user, lab_files
 
 from gpu_mon.api.model import GpuReading, QueueJob, Snapshot
@@ -194,32 +194,33 @@ def lab(base: Path, sim: SimHost) -> Iterator[Lab]:
     the job script, and a client config naming the queue's socket and the daemon's state file."""
     if os.geteuid() != 0:
         pytest.skip("creates a user and runs jobs and an occupier as them: needs root")
-    marker = f"gmoq-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        user = _make_user(USER, base)
-        code, job, conf = lab_files(base, JOB)
-        occupy_paths_of_the_copy(code / "gpu_mon", base)
-        (base / "occupiers").mkdir(mode=0o1777)
-        os.chmod(base / "occupiers", 0o1777)
-        conf.write_text(f"[defaults]\nstate_file = {base / 'run' / 'state.json'}\n" + conf.read_text())
-        for path in (base / "dev", *(base / "dev").iterdir(), sim.path):
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        (base / "holder.py").write_text(HOLDER)
-        os.chmod(base / "holder.py", 0o644)
-        yield Lab(
-            base, code, job, conf, base / "run" / "queue.sock", base / "queue.sqlite", user, user, marker
-        )
-    finally:
-        if "user" in locals():
-            lab_ = Lab(
-                base, base / "code", base / "job.py", base / "client.conf", base, base, user, user, marker
+    with names_held((USER,)):
+        marker = f"gmoq-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            user = _make_user(USER, base)
+            code, job, conf = lab_files(base, JOB)
+            occupy_paths_of_the_copy(code / "gpu_mon", base)
+            (base / "occupiers").mkdir(mode=0o1777)
+            os.chmod(base / "occupiers", 0o1777)
+            conf.write_text(f"[defaults]\nstate_file = {base / 'run' / 'state.json'}\n" + conf.read_text())
+            for path in (base / "dev", *(base / "dev").iterdir(), sim.path):
+                os.chmod(path, 0o755 if path.is_dir() else 0o644)
+            (base / "holder.py").write_text(HOLDER)
+            os.chmod(base / "holder.py", 0o644)
+            yield Lab(
+                base, code, job, conf, base / "run" / "queue.sock", base / "queue.sqlite", user, user, marker
             )
+        finally:
+            if "user" in locals():
+                lab_ = Lab(
+                    base, base / "code", base / "job.py", base / "client.conf", base, base, user, user, marker
+                )
+                with contextlib.suppress(Exception):
+                    lab_.run(user, "occupy", "off", "--timeout", "10", timeout=30)
             with contextlib.suppress(Exception):
-                lab_.run(user, "occupy", "off", "--timeout", "10", timeout=30)
-        with contextlib.suppress(Exception):
-            kill_marked(marker)
-        subprocess.run(["pkill", "-KILL", "-u", USER], capture_output=True)  # only the test's user
-        subprocess.run(["userdel", "-r", USER], capture_output=True)
+                kill_marked(marker)
+            subprocess.run(["pkill", "-KILL", "-u", USER], capture_output=True)  # only the test's user
+            subprocess.run(["userdel", "-r", USER], capture_output=True)
 
 
 def _occupy_status(lab: Lab) -> dict:

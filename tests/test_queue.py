@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from conftest import ROOT, Daemon, foreign_open, kill_marked, pid_alive, wait_for
+from conftest import ROOT, Daemon, foreign_open, kill_marked, names_held, pid_alive, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -191,6 +191,11 @@ def made_lab(tag: str, names: Tuple[str, str], job_text: str, group: str = "") -
     """Two users of a test file's own (the first also in `group`, made here), a directory they can read
     with the package, the job script and the client's config; processes marked `tag`-..., all removed
     afterwards."""
+    with names_held((*names, *([group] if group else []))):
+        yield from _made_lab(tag, names, job_text, group)
+
+
+def _made_lab(tag: str, names: Tuple[str, str], job_text: str, group: str) -> Iterator[Lab]:
     base = Path(tempfile.mkdtemp(prefix=f"gpu-mon-{tag}-", dir="/tmp"))
     os.chmod(base, 0o755)
     if group:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Tuple
 
 import pytest
-from conftest import wait_for
+from conftest import names_held, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -130,16 +130,17 @@ def newbie() -> Iterator[Tuple[str, Path]]:
     base = Path(tempfile.mkdtemp(prefix="gpu-mon-try-it-", dir="/tmp"))
     os.chmod(base, 0o755)
     user = "gmsdnewbie"  # (other tests' users have names of their own)
-    try:
-        _make_user(user, base)
-        yield user, base
-    finally:
-        subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)  # only the test's user
-        wait_for(
-            lambda: subprocess.run(["pgrep", "-u", user]).returncode == 1, 10, f"{user}'s processes gone"
-        )
-        subprocess.run(["userdel", "-r", user], capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
+    with names_held((user,)):
+        try:
+            _make_user(user, base)
+            yield user, base
+        finally:
+            subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)  # only the test's user
+            wait_for(
+                lambda: subprocess.run(["pgrep", "-u", user]).returncode == 1, 10, f"{user}'s processes gone"
+            )
+            subprocess.run(["userdel", "-r", user], capture_output=True)
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def test_the_queue_try_it_runs_as_written_for_a_second_user(newbie, daemon_factory, sim):
