@@ -171,3 +171,46 @@ def test_an_ignored_user_opening_the_gpu_stops_nothing(tmp_path: Path):
     with _at_work(tmp_path, "ignore_users = root\n") as (r, yp, sim), _opened(r, yp, sim.device(0)):
         assert not r.p.supervisor.workloads[KEY].stopping
         assert r.p.yields.yielding == {}
+
+
+def test_a_look_again_gives_way_to_a_new_open_and_goes_on_after_it(path_at_work):
+    """A look again at an open nobody holds reads every process that changed: it pauses for the next open
+    (which stops the workload at once) and is not forgotten for it."""
+    r, yp, sim = path_at_work
+    crowd = [subprocess.Popen(["sleep", "600"]) for _ in range(40)]  # (more than a scan reads between pauses)
+    try:
+        with open(sim.device(1)):
+            pass  # opened and closed before any scan: no holder explains it
+        _event(r)
+        now = time.monotonic()
+        r.p.yields.woke(now)
+        yp.on_wake(now)
+        assert yp.retry is not None and yp.retry.uuids == {sim.uuid(1)}
+        step = yp.retry.step
+        other = _holder(sim.device(0))  # someone opens the workload's GPU: the event waits to be read
+        try:
+            assert r.p.opens.inotify is not None and r.p.opens.inotify.pending(5.0)
+            at = yp.retry.at
+            r.p.yields.woke(at)
+            assert yp.on_wake(at) is True
+            assert r.p.observer.scan_paused  # the look gave way, owed at once, same step
+            assert yp.retry.step == step and yp.retry.at <= at and yp.deadline() == yp.retry.at
+            assert not r.p.supervisor.workloads[KEY].stopping
+            _event(r)
+            now = time.monotonic()
+            r.p.yields.woke(now)
+            assert yp.on_wake(now) is True
+            assert r.p.supervisor.workloads[KEY].stopping  # the new open: its stop went out
+            assert yp.retry is not None and yp.retry.uuids == {sim.uuid(1)} and yp.retry.step == step
+            steps = 0
+            while yp.retry is not None:  # the first open's looks go on, each later, to the last
+                yp.on_wake(yp.retry.at)
+                steps += 1
+            assert steps == 6 - step
+        finally:
+            other.kill()
+            other.wait()
+    finally:
+        for p in crowd:
+            p.kill()
+            p.wait()

@@ -134,7 +134,7 @@ class Observer:
         processes, holders and young ones: HolderScanner.fresh) or 'pids' (just those).
 
         A full scan reads again only the processes that ran since it last read them, unless `every`.
-        'full', 'fds' and 'changed' ask `pause` every few processes and stop when it answers True:
+        'full', 'fds', 'changed' and 'first' ask `pause` every few processes and stop when it answers True:
         `scan_paused` is then set, the holders are those found so far and the rest as last read, and the
         same call with a `pause` goes on (a full scan from where it stopped, `changed` from the start).
         'first' reads the processes in `first` (the openers the kernel named) before all others.
@@ -149,7 +149,7 @@ class Observer:
         elif mode == "new":
             result = self.scanner.fresh()
         elif mode == "first" and enough is not None:
-            result = self.scanner.changed(enough=self._accepts(enough, ours), first=first)
+            result = self.scanner.changed(enough=self._accepts(enough, ours), pause=pause, first=first)
         else:
             result = self.scanner.changed(pause=pause)
         self.scan_times.append((mode, time.perf_counter() - began))

@@ -42,6 +42,16 @@ class OpenRetry:
             return None
         return dataclasses.replace(self, at=now + RETRY_DELAYS[step], step=step)
 
+    def joined(self, other: Optional[OpenRetry]) -> OpenRetry:
+        """This look and one still pending (None: none) as one: both opens' GPUs and openers, at the
+        earlier time and step (an open is never dropped for a later one)."""
+        if other is None:
+            return self
+        openers = tuple(dict.fromkeys((*self.openers, *other.openers)))
+        return OpenRetry(
+            min(self.at, other.at), self.uuids | other.uuids, openers, min(self.step, other.step)
+        )
+
 
 def retry_for(uuids: Set[Optional[str]], openers: Tuple[int, ...], now: float) -> OpenRetry:
     """The first look again at an open no scan explained."""
