@@ -8,6 +8,9 @@ GPU index = position in the list. `device` is a regular file standing in for /de
 missing; relative to the sim file). A field set to null reads as unreadable, and `"error": "GPU is lost"`
 makes the whole GPU unreadable, so tests can exercise the fail-closed paths. A process's `utilization_pct` is
 its SM utilization as NVML's per-process samples would report it; absent means unknown.
+`energy_mj` (NVML's total energy counter: millijoules since the driver loaded; lower than before means the
+driver reloaded) and `power_mw` (the power draw, milliwatts) are optional: absent or null means the GPU
+does not report it (NVML's NOT_SUPPORTED), never 0.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ class SimBackend:
             "device",
             "processes",
             "error",
+            "energy_mj",
+            "power_mw",
         }
         unknown = set(g) - known
         if unknown:
@@ -147,11 +152,13 @@ class SimBackend:
         for key, value in (("memory", used), ("memory", total), ("utilization", util)):
             if value is None and f"{key}: unreadable (simulated)" not in errors:
                 errors.append(f"{key}: unreadable (simulated)")
+        energy = _int(g.get("energy_mj"), f"{where}.energy_mj")
+        power = _int(g.get("power_mw"), f"{where}.power_mw")
         procs = self._processes(g.get("processes", []), where)
         if procs is None:
             errors.append("compute processes: unreadable (simulated)")
         if error:  # the whole GPU unreadable, as NVML_ERROR_GPU_IS_LOST would make it
-            total = used = util = procs = None
+            total = used = util = procs = energy = power = None
             errors = [f"gpu: {error}"]
         return Gpu(
             index=index,
@@ -164,6 +171,8 @@ class SimBackend:
             utilization_pct=util,
             processes=procs,
             errors=tuple(errors),
+            energy_mj=energy,
+            power_mw=power,
         )
 
     def _processes(self, procs: Any, where: str) -> Optional[Tuple[GpuProcess, ...]]:
