@@ -12,6 +12,7 @@ import sqlite3
 import pytest
 from conftest import wait_for
 from test_queue import JOB, made_lab, queue_body
+from test_queue_outputs import by, report, report_json
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs jobs as them: needs root")
 
@@ -99,6 +100,20 @@ def test_show_gives_every_run_its_energy_and_processes_across_a_restart(lab, dae
     assert f"Job {job_id} train of gmsalice: cancelled" in text.stdout
     kwh = f"{j['energy_mj'] / 3.6e9:.3g} kWh"
     assert f"Energy: {kwh}" in text.stdout and "requeued" in text.stdout
+
+    # the history has each run's energy: report --by job and --by user in kWh
+    def reported() -> dict:
+        doc = report_json(d)
+        row = by(doc["jobs"], "job").get(job_id, {})
+        return doc if row.get("runs") == 2 and row.get("last") == "cancelled" else {}
+
+    doc = wait_for(reported, 30, "the history to have both runs")
+    total_kwh = j["energy_mj"] / 3.6e9
+    assert by(doc["jobs"], "job")[job_id]["energy_kwh"] == pytest.approx(total_kwh, abs=1e-6)
+    assert by(doc["users"], "user")["gmsalice"]["job_energy_kwh"] == pytest.approx(total_kwh, abs=1e-6)
+    lines = report(d, "--by", "user").stdout.splitlines()
+    assert lines[2].split()[-1] == "kWh"
+    assert next(x for x in lines if x.startswith("gmsalice")).split()[-1] == f"{round(total_kwh, 6):.3g}"
 
 
 def test_show_of_a_job_that_is_not_there_is_one_line(lab, daemon_factory):
