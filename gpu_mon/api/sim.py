@@ -30,6 +30,10 @@ MAX_SIM_BYTES = 1 << 20
 _UUID_RE = re.compile(r"^(GPU|MIG)-[!-+\--~]+$")
 
 
+_GPU_KEYS = frozenset(("uuid", "name", "memory_total_mib", "memory_used_mib", "utilization_pct", "device"))
+_GPU_KEYS |= {"processes", "error", "energy_mj", "power_mw"}
+
+
 class SimError(Exception):
     """The sim file is unusable; str() is one line naming the file and the field."""
 
@@ -115,19 +119,7 @@ class SimBackend:
         where = f"{self.path}: gpus[{index}]"
         if not isinstance(g, dict):
             raise SimError(f"{where}: expected an object")
-        known = {
-            "uuid",
-            "name",
-            "memory_total_mib",
-            "memory_used_mib",
-            "utilization_pct",
-            "device",
-            "processes",
-            "error",
-            "energy_mj",
-            "power_mw",
-        }
-        unknown = set(g) - known
+        unknown = set(g) - _GPU_KEYS
         if unknown:
             raise SimError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         uuid = g.get("uuid")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import time
 from typing import Callable, Dict, List, Optional
 
 from gpu_mon.api.text import sanitize
@@ -103,7 +104,8 @@ def _totals(j: dict) -> List[str]:
         energy += f" ({unknown} run(s) without a figure)"
     return [
         f"  Runs: {len(runs)}   Run time: {_duration(j.get('run_seconds_total') or 0)} in all   "
-        f"GPU-hours: {(j.get('gpu_seconds_total') or 0) / 3600:.2f}   Energy: {energy}"
+        f"GPU-hours: {(j.get('gpu_seconds_total') or 0) / 3600:.2f}",
+        f"  Energy: {energy}",
     ]
 
 
@@ -115,17 +117,23 @@ def kwh(mj: Optional[float]) -> str:
 def _runs(runs: List[dict]) -> List[str]:
     if not runs:
         return []
-    out = ["  RESTART  STARTED                   ENDED                     TIME     HOW        ENERGY"]
+    out = ["  RESTART  STARTED      ENDED        TIME     HOW        ENERGY"]
     for r in runs:
-        end = r.get("ended") or ("-" if r.get("how") == "running" else "unknown")
+        end = _when(r["end"]) if r.get("end") is not None else "-" if r["how"] == "running" else "unknown"
         secs = r["end"] - r["start"] if r.get("end") is not None else None
         reset = any(g.get("reset") for g in (r.get("energy") or {}).values())
         energy = kwh(r.get("energy_mj")) + (" (driver reloaded: at least)" if reset else "")
         time_text = _duration(secs) if secs is not None else "-"
-        out.append(f"  {r['restart']:<8} {r['started']:<25} {end:<25} {time_text:<8} {r['how']:<10} {energy}")
+        start = _when(r["start"])
+        out.append(f"  {r['restart']:<8} {start:<12} {end:<12} {time_text:<8} {r['how']:<10} {energy}")
         if r.get("preempted_by"):
-            out.append(f"           preempted: {sanitize(r['preempted_by'])}")
+            out.append(f"    preempted: {sanitize(r['preempted_by'])}")
     return out
+
+
+def _when(wall: float) -> str:
+    """A run's start or end, local time (`11-24 13:19`; the whole date: --json)."""
+    return time.strftime("%m-%d %H:%M", time.localtime(wall))
 
 
 def _processes(procs: List[dict]) -> List[str]:

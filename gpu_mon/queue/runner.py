@@ -119,9 +119,8 @@ class Queue:
         self.runs = Runs()  # what status, history and metrics hear of (report())
         self.records = RunRecords(self.store)  # each run's record, written as it starts and ends
         self.look: Optional[Snapshot] = None  # the round's look (its GPUs' energy; `show`'s processes)
-        self.requests.live = Live(lambda: self.look, self.records.of_job)
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
-        # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
+        # (outside gpu-mon's sandbox as the job's user where jobs are units: the service cannot write homes)
         self.outside = UserUnits(supervisor.helpers, self.run_dir) if self.systemd else None
         self.note = self.outside.note if self.outside is not None else notes.note
         launch = self.outside.hook if self.outside is not None else LeaderHooks(groups_of).hook
@@ -131,6 +130,7 @@ class Queue:
 
     def start(self) -> None:
         """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
+        self.requests.live = Live(lambda: self.look, self.records.of_job)  # (what `show` reads of the loop)
         self.notices.changes(self.store.all(), self.store.version)  # (what was before is not news)
         self._runs_seen()  # (the runs an earlier daemon left, before they are taken over)
         self.finder.find()

@@ -4,7 +4,9 @@ and an in-memory copy of every job that reads use. Every change is committed bef
 
 Tables: `jobs`, the columns reads would filter on (user, state, times) and the job as JSON; `arrays`, an
 array as submitted, once (its elements' rows hold their array's id and index until they change: rows.py);
-and `queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when). In
+`queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when); and
+`runs` (schema 3), each run of a job as runrecords.py writes it when it starts and ends, read only by
+`show`. In
 memory too an element as submitted is its id (jobs.array_class) and its array's index -> id is the array's
 indices (arrays.Members): five held 10 000-element arrays take 10 MB of the daemon's memory, not 110.
 The file carries its own application id and schema version; a damaged or foreign file is moved aside (one
