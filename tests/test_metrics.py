@@ -61,7 +61,7 @@ def value(text: str, name: str, **labels: str) -> Optional[float]:
     """The one sample of `name` whose labels include these (None when there is none yet)."""
     found = []
     for key, v in samples(text).items():
-        m = re.match(r"^([a-z_]+)(?:\{(.*)\})?$", key)
+        m = re.match(r"^([A-Za-z_]+)(?:\{(.*)\})?$", key)
         assert m, key
         have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
         if m.group(1) == name and all(have.get(k) == x for k, x in labels.items()):
@@ -132,7 +132,7 @@ def test_no_section_no_metrics():
 
 def test_the_names_are_prometheus_style():
     for name in metrics.names():
-        assert re.match(r"^gpu_mon_[a-z_]+$", name)
+        assert re.match(r"^gpu_mon_[a-z_]+$", name) or name in metrics.DCGM_NAMES
     counters = [f.name for f in metrics.Tally().families() if f.kind == "counter"]
     assert counters and all(n.endswith("_total") for n in counters)
     for f in metrics.Tally().families():
@@ -313,3 +313,22 @@ def test_a_gpu_it_does_not_watch_has_no_series(tmp_path, sim, daemon_factory):
     text = scrape(port)
     assert value(text, "gpu_mon_gpu_info", uuid=sim.uuid(0)) == 1
     assert sim.uuid(1) not in text  # not "unknown": not watched at all
+
+
+def test_power_and_energy_in_gpu_mons_names_and_dcgm_exporters(tmp_path, sim, daemon_factory):
+    sim.set(0, energy_mj=5_000_000, power_mw=250_500, name="Simulated H100")
+    port = free_port()
+    metrics_daemon(daemon_factory, tmp_path, port)
+    u0, u1 = sim.uuid(0), sim.uuid(1)
+    text = wait_for(lambda: t if value(t := scrape(port), "gpu_mon_gpu_power_watts", uuid=u0) else "")
+    promtool_check(text)
+    assert value(text, "gpu_mon_gpu_power_watts", uuid=u0) == 250.5
+    assert value(text, "gpu_mon_gpu_energy_joules_total", uuid=u0) == 5_000.0
+    dcgm = {"gpu": "0", "UUID": u0}
+    assert value(text, "DCGM_FI_DEV_POWER_USAGE", **dcgm) == 250.5
+    assert value(text, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", **dcgm) == 5_000_000
+    # GPU 1 reports neither (NVML's NOT_SUPPORTED): no sample, never a 0
+    assert value(text, "gpu_mon_gpu_power_watts", uuid=u1) is None
+    assert value(text, "gpu_mon_gpu_energy_joules_total", uuid=u1) is None
+    sim.set(0, energy_mj=5_750_000)  # the counter moves on; the next round's scrape says so
+    wait_for(lambda: value(scrape(port), "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", **dcgm) == 5_750_000)

@@ -167,6 +167,20 @@ class StubNvml:
         self._enter("nvmlDeviceGetUtilizationRates", handle.index)
         return SimpleNamespace(gpu=self.gpus[handle.index]["util"], memory=0)
 
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        self._enter("nvmlDeviceGetTotalEnergyConsumption", handle.index)
+        value = self.gpus[handle.index].get("energy")
+        if value is None:  # (a GPU older than Volta, or not a data-centre one)
+            raise NVMLError(NOT_SUPPORTED)
+        return value
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        self._enter("nvmlDeviceGetPowerUsage", handle.index)
+        value = self.gpus[handle.index].get("power")
+        if value is None:
+            raise NVMLError(NOT_SUPPORTED)
+        return value
+
 
 def backend(stub, **kwargs):
     return NvmlBackend(module=stub, **kwargs)
@@ -798,3 +812,37 @@ def test_bindings_without_the_version_argument_use_v1():
     stub.nvmlMemory_v2 = 0x02000028  # a constant, but a v1-only nvmlDeviceGetMemoryInfo(handle)
     (g,) = backend(stub).read().gpus
     assert g.memory_used_mib == 100 and g.memory_reserved_mib is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Energy and power
+
+
+def test_energy_and_power_are_read_in_nvml_units():
+    stub = StubNvml(gpus=[gpu(0, energy=123456789, power=251000), gpu(1)])
+    g0, g1 = backend(stub).read().gpus
+    assert (g0.energy_mj, g0.power_mw) == (123456789, 251000)
+    # NOT_SUPPORTED (a GPU before Volta, a consumer GPU): no figure, never a made-up 0, and no error
+    assert (g1.energy_mj, g1.power_mw) == (None, None)
+    assert g1.errors == ()
+
+
+def test_an_energy_error_is_named_and_the_rest_is_read():
+    stub = StubNvml(fail={("nvmlDeviceGetTotalEnergyConsumption", 0): TIMEOUT})
+    g0 = backend(stub).read().gpus[0]
+    assert g0.energy_mj is None
+    assert [e for e in g0.errors if e.startswith("energy:")]
+    assert g0.memory_used_mib == 100
+
+
+def test_bindings_without_the_energy_call_leave_it_unknown():
+    stub = StubNvml(gpus=[gpu(0, energy=5, power=6)])
+    del StubNvml.nvmlDeviceGetTotalEnergyConsumption  # (an old nvidia-ml-py)
+    try:
+        g0 = backend(stub).read().gpus[0]
+    finally:
+        StubNvml.nvmlDeviceGetTotalEnergyConsumption = _ENERGY
+    assert (g0.energy_mj, g0.power_mw, g0.errors) == (None, 6, ())
+
+
+_ENERGY = StubNvml.nvmlDeviceGetTotalEnergyConsumption

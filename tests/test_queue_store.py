@@ -50,7 +50,7 @@ def test_a_submitted_job_is_on_disk_before_submit_returns(tmp_path):
     assert out.strip() == "[(1, 'alice', 'queued')]"
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 2
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 3
     assert os.stat(path).st_mode & 0o777 == 0o600  # the jobs' environments are root's alone
     store.close()
     again = Store.open(path, 0.0).get(1)
@@ -272,7 +272,7 @@ def test_a_database_written_before_the_preemption_fields_reads_back_and_keeps_ne
     ended = J.ended(again, 12.0, 143)
     assert ended.state == J.QUEUED and ended.preempted_at == 9.5  # kept past the requeue
     assert store.get(second.id).stop_main_only is True  # type: ignore[union-attr]
-    assert sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchone() == (2,)
+    assert sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchone() == (3,)
     store.close()
 
 

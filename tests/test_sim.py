@@ -444,3 +444,18 @@ def test_a_held_device_file_that_is_renamed_keeps_its_gpu_busy(tmp_path, sim, da
         d.wait_running("miner")  # and once the holder is gone, the GPU is free again
     except AssertionError:
         raise AssertionError(d.log()) from None
+
+
+def test_energy_and_power_in_nvml_units(tmp_path):
+    path = write(tmp_path / "sim.json", two_gpus(energy_mj=9_000_000, power_mw=300_000))
+    g0, g1 = SimBackend(str(path)).read().gpus
+    assert (g0.energy_mj, g0.power_mw) == (None, None)  # absent: not supported, never 0
+    assert (g1.energy_mj, g1.power_mw) == (9_000_000, 300_000)
+    write(path, two_gpus(energy_mj=9_500_000, power_mw=None))  # (re-read: the counter moved on)
+    g1 = SimBackend(str(path)).read().gpus[1]
+    assert (g1.energy_mj, g1.power_mw, g1.errors) == (9_500_000, None, ())
+    write(path, two_gpus(energy_mj=-1))
+    with pytest.raises(SimError, match=r"gpus\[1\]\.energy_mj: expected a number >= 0"):
+        SimBackend(str(path)).load()
+    write(path, two_gpus(energy_mj=5, error="GPU is lost"))
+    assert SimBackend(str(path)).read().gpus[1].energy_mj is None

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 APPLICATION_ID = 0x67706D6E  # "gpmn": marks the file as gpu-mon's history
 _SCHEMA_V1 = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -53,6 +53,8 @@ CREATE INDEX job_runs_by_end ON job_runs (end);
 """,
     # 3: who preempted each preempted run (the reason `jobs` and the job's log give)
     3: "ALTER TABLE job_runs ADD COLUMN preempted_by TEXT NOT NULL DEFAULT '';",
+    # 4: the energy each run's GPUs used, millijoules (NULL: not known; queue/energy.py says how it is had)
+    4: "ALTER TABLE job_runs ADD COLUMN energy_mj REAL;",
 }
 Error = sqlite3.Error
 OperationalError = sqlite3.OperationalError  # (a full disk, a lock: not a damaged file)
@@ -285,6 +287,7 @@ class JobRunRow:
     wait: float
     restart: int
     preempted_by: str = ""  # a preempted run: why, naming who ("" in a history before schema 3)
+    energy_mj: Optional[float] = None  # its GPUs' energy, millijoules (None: not known, or before schema 4)
 
 
 def job_runs(conn: sqlite3.Connection, since: float, until: float) -> List[JobRunRow]:
@@ -296,14 +299,15 @@ def job_runs(conn: sqlite3.Connection, since: float, until: float) -> List[JobRu
     # (read-only, a history an older gpu-mon wrote is read as it is: schema 2 has no preempted_by)
     columns = {row[1] for row in conn.execute("PRAGMA table_info(job_runs)")}
     by = "preempted_by" if "preempted_by" in columns else "''"
+    mj = "energy_mj" if "energy_mj" in columns else "NULL"
     rows = conn.execute(
-        f"SELECT job, user, name, gpus, submitted, start, end, how, wait, restart, {by} FROM job_runs "
+        f"SELECT job, user, name, gpus, submitted, start, end, how, wait, restart, {by}, {mj} FROM job_runs "
         "WHERE (end > ? OR start >= ?) AND start < ? ORDER BY start, id",
         (since, since, until),
     )
     return [
-        JobRunRow(job, user, name, len([g for g in gs.split(",") if g]), sub, s, e, how, wait, restart, pb)
-        for job, user, name, gs, sub, s, e, how, wait, restart, pb in rows
+        JobRunRow(job, user, name, len([g for g in gs.split(",") if g]), *rest)
+        for job, user, name, gs, *rest in rows
     ]
 
 

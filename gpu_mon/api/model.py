@@ -36,6 +36,10 @@ class Gpu:
     memory_used_mib: Optional[int] = None  # by processes and contexts (NVML v2: the driver's reserve apart)
     utilization_pct: Optional[int] = None
     memory_reserved_mib: Optional[int] = None  # held back by the driver (NVML memory info v2), not in use
+    # NVML's total energy counter, millijoules since the driver loaded (Volta and newer data-centre GPUs),
+    # and its power draw, milliwatts; None: not supported or unreadable (never a made-up 0)
+    energy_mj: Optional[int] = None
+    power_mw: Optional[int] = None
     # None: the process list could not be read (the GPU then counts as busy).
     processes: Optional[Tuple[GpuProcess, ...]] = ()
     errors: Tuple[str, ...] = ()  # "field: what went wrong", one per unreadable field

@@ -145,6 +145,8 @@ class NvmlBackend:
         minor = self._field(index, "minor number", errors, nv.nvmlDeviceGetMinorNumber, handle)
         memory = self._memory(index, handle, errors)
         util = self._field(index, "utilization", errors, nv.nvmlDeviceGetUtilizationRates, handle)
+        energy = self._optional(index, "energy", errors, "nvmlDeviceGetTotalEnergyConsumption", handle)
+        power = self._optional(index, "power", errors, "nvmlDeviceGetPowerUsage", handle)
         procs = self._processes(index, handle, errors)
         if procs and process_utilization:
             procs = self._samples.apply(
@@ -164,7 +166,15 @@ class NvmlBackend:
             utilization_pct=int(util.gpu) if util is not None else None,
             processes=procs,
             errors=tuple(errors),
+            energy_mj=int(energy) if isinstance(energy, int) else None,
+            power_mw=int(power) if isinstance(power, int) else None,
         )
+
+    def _optional(self, index: int, label: str, errors: List[str], name: str, handle: object) -> object:
+        """A figure that not every GPU or binding has (energy: Volta and newer data-centre GPUs): None when
+        the binding lacks the call or NVML says NOT_SUPPORTED (no figure, never a made-up 0)."""
+        fn = getattr(self._nv, name, None)
+        return None if fn is None else self._field(index, label, errors, fn, handle)
 
     def _memory(self, index: int, handle: object, errors: List[str]) -> object:
         """Memory info v2 where the driver has it: v1's `used` counts the driver's reserved memory too

@@ -8,6 +8,9 @@ GPU index = position in the list. `device` is a regular file standing in for /de
 missing; relative to the sim file). A field set to null reads as unreadable, and `"error": "GPU is lost"`
 makes the whole GPU unreadable, so tests can exercise the fail-closed paths. A process's `utilization_pct` is
 its SM utilization as NVML's per-process samples would report it; absent means unknown.
+`energy_mj` (NVML's total energy counter: millijoules since the driver loaded; lower than before means the
+driver reloaded) and `power_mw` (the power draw, milliwatts) are optional: absent or null means the GPU
+does not report it (NVML's NOT_SUPPORTED), never 0.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ MAX_SIM_BYTES = 1 << 20
 # GPU-/MIG- and then printable ASCII without blanks or commas: a comma or blank would split
 # CUDA_VISIBLE_DEVICES, a control character would garble the log. ("GPU-5a1c..." as in DESIGN.md is fine.)
 _UUID_RE = re.compile(r"^(GPU|MIG)-[!-+\--~]+$")
+
+
+_GPU_KEYS = frozenset(("uuid", "name", "memory_total_mib", "memory_used_mib", "utilization_pct", "device"))
+_GPU_KEYS |= {"processes", "error", "energy_mj", "power_mw"}
 
 
 class SimError(Exception):
@@ -112,17 +119,7 @@ class SimBackend:
         where = f"{self.path}: gpus[{index}]"
         if not isinstance(g, dict):
             raise SimError(f"{where}: expected an object")
-        known = {
-            "uuid",
-            "name",
-            "memory_total_mib",
-            "memory_used_mib",
-            "utilization_pct",
-            "device",
-            "processes",
-            "error",
-        }
-        unknown = set(g) - known
+        unknown = set(g) - _GPU_KEYS
         if unknown:
             raise SimError(f"{where}: unknown key {sorted(unknown)[0]!r}")
         uuid = g.get("uuid")
@@ -147,11 +144,13 @@ class SimBackend:
         for key, value in (("memory", used), ("memory", total), ("utilization", util)):
             if value is None and f"{key}: unreadable (simulated)" not in errors:
                 errors.append(f"{key}: unreadable (simulated)")
+        energy = _int(g.get("energy_mj"), f"{where}.energy_mj")
+        power = _int(g.get("power_mw"), f"{where}.power_mw")
         procs = self._processes(g.get("processes", []), where)
         if procs is None:
             errors.append("compute processes: unreadable (simulated)")
         if error:  # the whole GPU unreadable, as NVML_ERROR_GPU_IS_LOST would make it
-            total = used = util = procs = None
+            total = used = util = procs = energy = power = None
             errors = [f"gpu: {error}"]
         return Gpu(
             index=index,
@@ -164,6 +163,8 @@ class SimBackend:
             utilization_pct=util,
             processes=procs,
             errors=tuple(errors),
+            energy_mj=energy,
+            power_mw=power,
         )
 
     def _processes(self, procs: Any, where: str) -> Optional[Tuple[GpuProcess, ...]]:

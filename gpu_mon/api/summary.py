@@ -151,17 +151,23 @@ def process_rows(
     )
 
 
-JOB_FIGURES = ("runs", "gpu_seconds", "preemptions", "wait_seconds")  # per job, and per user as job_*
+# per job, and per user as job_*; energy: of the runs that ended in the period (a run's energy is known
+# whole, at its end), and how many of them have no figure (a GPU without NVML's counter or power)
+JOB_FIGURES = ("runs", "gpu_seconds", "preemptions", "wait_seconds", "energy_kwh", "energy_runs_unknown")
+MJ_PER_KWH = 3.6e9
 
 
 def _job_figures(run: historydb.JobRunRow, since: float, until: float) -> Dict[str, float]:
     """What one run adds: GPU-seconds inside the period; its preemption, when it ended so inside it; its
-    wait, when it started inside it."""
+    wait, when it started inside it; its energy, when it ended inside it."""
+    ended = run.how != "running" and since <= run.end < until
     return {
         "runs": 1,
         "gpu_seconds": run.gpus * max(0.0, min(run.end, until) - max(run.start, since)),
         "preemptions": int(run.how == "preempted" and since <= run.end < until),
         "wait_seconds": run.wait if since <= run.start < until else 0.0,
+        "energy_kwh": run.energy_mj / MJ_PER_KWH if ended and run.energy_mj is not None else 0.0,
+        "energy_runs_unknown": int(ended and run.energy_mj is None),
     }
 
 
@@ -191,7 +197,10 @@ def job_rows(runs: List[historydb.JobRunRow], since: float, until: float) -> Lis
 
 
 def _rounded(row: dict) -> dict:
-    return {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+    """Seconds to a tenth; kWh to 6 places (a short job's is a few Wh)."""
+    return {
+        k: round(v, 6 if k.endswith("_kwh") else 1) if isinstance(v, float) else v for k, v in row.items()
+    }
 
 
 def user_rows(
@@ -222,10 +231,7 @@ def user_rows(
             r[f"job_{key}"] += value
         jobs.setdefault(run.user, set()).add((run.job, run.submitted))
         r["jobs"] = len(jobs[run.user])
-    return sorted(
-        ({k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in out.values()),
-        key=lambda r: (-r["gpu_seconds"], r["user"]),
-    )
+    return sorted((_rounded(r) for r in out.values()), key=lambda r: (-r["gpu_seconds"], r["user"]))
 
 
 def summarize(conn: object, since: float, until: float) -> dict:

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base
+from gpu_mon.commands import base, queue_show
 from gpu_mon.commands.base import CliError
 from gpu_mon.config import DEFAULT_PATH, QueueSection
 from gpu_mon.queue import arrays
@@ -88,6 +88,7 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     )
     add_common(p, top=False, sim=False)
     p.add_argument("action", choices=("drain", "resume"))
+    queue_show.add_arguments(sub, add_common, _job_id)
 
 
 def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -98,7 +99,7 @@ def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
     )
 
 
-COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue")
+COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue", "show")
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -113,6 +114,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "logs": _logs,
         "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids)),
         "queue": _drain,
+        "show": lambda a, s: queue_show.run(a, s, _ask),
     }[args.command]
     try:
         return handler(args, socket)

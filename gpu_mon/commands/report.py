@@ -120,10 +120,11 @@ def render(doc: dict, by: str) -> List[str]:
             _hours(u.get("job_gpu_seconds", 0.0)),
             str(u.get("job_preemptions", 0)),
             duration(u.get("job_wait_seconds", 0.0)),
+            _kwh(u.get("job_energy_kwh", 0.0), u.get("job_energy_runs_unknown", 0)),
         ]
         for u in doc["users"]
     ]
-    heads = ["user", "GPU time", "as an idle holder", "jobs", "job GPU time", "preemptions", "waited"]
+    heads = ["user", "GPU time", "as an idle holder", "jobs", "job GPU time", "preemptions", "waited", "kWh"]
     return lines + _table(heads, rows)
 
 
@@ -140,12 +141,22 @@ def _job_table(doc: dict, _hours) -> List[str]:
             str(j["preemptions"]),
             duration(j["wait_seconds"]),
             j["last"],
+            _kwh(j.get("energy_kwh", 0.0), j.get("energy_runs_unknown", 0)),
             "; ".join(sanitize(why) for why in j.get("preempted_by", ())),
         ]
         for j in doc.get("jobs", [])
     ]
-    heads = ["job", "user", "name", "runs", "GPU time", "preemptions", "waited", "last run", "preempted by"]
+    heads = ["job", "user", "name", "runs", "GPU time", "preemptions", "waited", "last run", "kWh"]
+    heads.append("preempted by")
     return _table(heads, rows) if rows else [*_table(heads, []), "(no queued job ran in this period)"]
+
+
+def _kwh(kwh: float, unknown: int) -> str:
+    """The energy of the runs that ended in the period, `+?` when some of them have no figure (their
+    GPUs report neither NVML's energy counter nor power), `-` when none has one."""
+    if unknown and not kwh:
+        return "-"
+    return f"{kwh:.3g}" + ("+?" if unknown else "")
 
 
 def _state_table(doc: dict, by: str, _hours) -> List[str]:

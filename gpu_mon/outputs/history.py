@@ -427,10 +427,20 @@ class _Writer:
         self.open["job_runs"].pop(key, None)
         self.conn.execute(
             "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart, "
-            "preempted_by) VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?, ?) "
+            "preempted_by, energy_mj) VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?, ?, ?) "
             "ON CONFLICT (job, submitted, start) DO UPDATE SET end = COALESCE(?, end), how = excluded.how, "
-            "preempted_by = excluded.preempted_by",
-            (*_job_run(run), run.end, run.start, run.how, run.wait, run.restart, run.preempted_by, run.end),
+            "preempted_by = excluded.preempted_by, energy_mj = excluded.energy_mj",
+            (
+                *_job_run(run),
+                run.end,
+                run.start,
+                run.how,
+                run.wait,
+                run.restart,
+                run.preempted_by,
+                run.energy_mj,
+                run.end,
+            ),
         )
 
 

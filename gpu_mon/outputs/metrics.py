@@ -70,6 +70,8 @@ class _GpuTally:
     memory_used: Optional[float] = None
     memory_total: Optional[float] = None
     utilization: Optional[float] = None
+    power_mw: Optional[int] = None  # NVML's, milliwatts (None: not reported: no sample)
+    energy_mj: Optional[int] = None  # NVML's total energy counter, millijoules since the driver loaded
     harvested: float = 0.0
     foreign: float = 0.0
     preemptions: int = 0
@@ -176,10 +178,11 @@ class Tally:
             t.memory_used = None if g.memory_used_mib is None else g.memory_used_mib * MIB
             t.memory_total = None if g.memory_total_mib is None else g.memory_total_mib * MIB
             t.utilization = None if g.utilization_pct is None else g.utilization_pct / 100.0
+            t.power_mw, t.energy_mj = g.power_mw, g.energy_mj
         unseen = set(self.gpus) - {g.uuid for g in seen}
         for uuid in unseen:  # not read this round: nothing known of it now (unsure counts as unknown)
             t = self.gpus[uuid]
-            t.memory_used = t.utilization = None
+            t.memory_used = t.utilization = t.power_mw = t.energy_mj = None
         states = gpustate.round_states(report.decision, report.workloads, list(self.gpus))
         for uuid, (state, _detail) in states.items():
             self.gpus[uuid].state = state
@@ -231,6 +234,7 @@ class Tally:
             _gauge("gpu_mon_gpu_memory_used_bytes", "GPU memory in use, by anyone.", g, "memory_used"),
             _gauge("gpu_mon_gpu_memory_total_bytes", "GPU memory.", g, "memory_total"),
             _gauge("gpu_mon_gpu_utilization_ratio", "GPU utilization, 0-1.", g, "utilization"),
+            *_energy_families(g),
             Family(
                 "gpu_mon_harvested_seconds_total",
                 "counter",
@@ -333,6 +337,52 @@ class Tally:
                 (((), self.job_preemptions),),
             ),
         )
+
+
+# dcgm-exporter's names for the same two figures, in its units and labels (`gpu`: NVML's index, `UUID`;
+# not its `modelName`, which promtool's lint refuses: gpu_mon_gpu_info has the name), so dashboards and
+# queries written for it read gpu-mon's too. Exposed as gauges: the
+# exporter calls the energy a counter without `_total`, which prometheus_client cannot write; PromQL's
+# rate() and increase() work on it all the same.
+DCGM_NAMES = ("DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION")
+
+
+def _energy_families(gpus: List[Tuple[str, _GpuTally]]) -> Tuple[Family, ...]:
+    """Each GPU's power and energy counter (no sample where NVML has no figure), in gpu-mon's names and
+    units and in dcgm-exporter's."""
+    power = [(u, t, t.power_mw) for u, t in gpus if t.power_mw is not None]
+    energy = [(u, t, t.energy_mj) for u, t in gpus if t.energy_mj is not None]
+    dcgm = ("gpu", "UUID")
+    return (
+        Family(
+            "gpu_mon_gpu_power_watts",
+            "gauge",
+            "GPU power draw (NVML), watts.",
+            ("uuid",),
+            tuple(((u,), mw / 1000.0) for u, _t, mw in power),
+        ),
+        Family(
+            "gpu_mon_gpu_energy_joules_total",
+            "counter",
+            "GPU energy since the driver loaded (NVML; Volta and newer data-centre GPUs), joules.",
+            ("uuid",),
+            tuple(((u,), mj / 1000.0) for u, _t, mj in energy),
+        ),
+        Family(
+            DCGM_NAMES[0],
+            "gauge",
+            "Power usage for the device in Watts (as dcgm-exporter names it).",
+            dcgm,
+            tuple(((t.index, u), mw / 1000.0) for u, t, mw in power),
+        ),
+        Family(
+            DCGM_NAMES[1],
+            "gauge",
+            "Total energy consumption since the driver loaded, in mJ (as dcgm-exporter names it).",
+            dcgm,
+            tuple(((t.index, u), mj) for u, t, mj in energy),
+        ),
+    )
 
 
 def _gauge(name: str, text: str, gpus: List[Tuple[str, _GpuTally]], field: str) -> Family:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tupl
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, fields, submitcheck
+from gpu_mon.queue import arrays, fields, show, submitcheck
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
@@ -83,6 +83,7 @@ class Requests:
         # where the client, the user, has checked it.
         self.checks_here = checks_here
         self.listing = Listing()  # each job's JSON as `jobs` last sent it
+        self.live: Optional[show.Live] = None  # the daemon's last look and runs going on (`show`)
 
     def prepare(self) -> None:
         """Encode what `jobs` will send of every job now (the server does, before it listens)."""
@@ -116,6 +117,7 @@ class Requests:
             "logs-path": self._logs_path,
             "ids": self._ids,
             "queue": self._queue,
+            "show": self._show,
         }.get(op if isinstance(op, str) else "")
         if handler is None:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
@@ -535,6 +537,16 @@ class Requests:
             return J.released(job)
 
         return self._each(peer, user, req, release)
+
+    def _show(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`gpu-mon show ID`: every job the id names (show.py), anyone's."""
+        ref = req.get("id")
+        found = self._found(ref)
+        if not found:
+            raise Bad(f"job {_ref_text(ref)}: no such job", 1)
+        view, now = self.view(), time.time()
+        described = partial(describe, view=view, now=now, whole=True)
+        return show.shown(found, peer.uid, described, output_of, self.store.runs_of, self.live)
 
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))

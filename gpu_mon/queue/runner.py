@@ -41,8 +41,10 @@ from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.outside import UserUnits
 from gpu_mon.queue.prune import Pruner
 from gpu_mon.queue.requests import Requests, View, groups_of, output_of
-from gpu_mon.queue.runs import QueueReport, Runs
+from gpu_mon.queue.runrecords import RunRecords
+from gpu_mon.queue.runs import JobRun, QueueReport, Runs
 from gpu_mon.queue.server import Server
+from gpu_mon.queue.show import Live
 from gpu_mon.queue.store import Store
 
 log = logging.getLogger("gpu_mon")
@@ -115,8 +117,10 @@ class Queue:
         # the confirm's time ([queue] brief_open_seconds; the round then reads their holders again)
         self.confirms: Dict[str, placement.ConfirmJob] = {}
         self.runs = Runs()  # what status, history and metrics hear of (report())
+        self.records = RunRecords(self.store)  # each run's record, written as it starts and ends
+        self.look: Optional[Snapshot] = None  # the round's look (its GPUs' energy; `show`'s processes)
         self.notices = Notices()  # jobs' ends for their hooks (--notify), run beside the loop
-        # Outside gpu-mon's sandbox as the job's user where jobs are units (the service cannot write homes)
+        # (outside gpu-mon's sandbox as the job's user where jobs are units: the service cannot write homes)
         self.outside = UserUnits(supervisor.helpers, self.run_dir) if self.systemd else None
         self.note = self.outside.note if self.outside is not None else notes.note
         launch = self.outside.hook if self.outside is not None else LeaderHooks(groups_of).hook
@@ -126,6 +130,7 @@ class Queue:
 
     def start(self) -> None:
         """Take over the jobs an earlier daemon left running, then listen (ServerError if impossible)."""
+        self.requests.live = Live(lambda: self.look, self.records.of_job)  # (what `show` reads of the loop)
         self.notices.changes(self.store.all(), self.store.version)  # (what was before is not news)
         self._runs_seen()  # (the runs an earlier daemon left, before they are taken over)
         self.finder.find()
@@ -188,6 +193,11 @@ class Queue:
         daemon have the queue."""
         self.server.stop()
         self.pruner.stop()
+        try:  # (what the running runs sampled so far: the next daemon goes on from it)
+            self._runs_seen()
+            self.records.write(everything_live=True)
+        except Exception:
+            log.exception("queue: cannot record the runs going on (please report it)")
         self.hooks.close()
         if self.outside is not None:
             self.outside.close()
@@ -377,7 +387,18 @@ class Queue:
     def _runs_seen(self) -> None:
         version = self.store.version
         if version != self.runs.version:
-            self.runs.seen(self.store.all(), version, self.wall())
+            self.runs.seen(self.store.all(), version, self.wall(), self._run_seen)
+            self.records.write()
+
+    def _run_seen(self, run: JobRun) -> JobRun:
+        """A run started or ended: its record (with its GPUs' energy counters as the round's look saw
+        them)."""
+        return self.records.seen(run, self.look.reading.gpus if self.look is not None else None)
+
+    def seen_look(self, snap: Snapshot) -> None:
+        """The round's look (after the look again): kept for the runs' energy and `show`."""
+        self.look = snap
+        self.records.sample(snap.reading.gpus, snap.now)
 
     def hit(self, decision: Decision, uuids: List[str], now: float) -> Set[str]:
         """The GPUs of running jobs that this decision finds busy (someone else uses them), less those

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
@@ -42,6 +42,10 @@ class JobRun:
     array_id: int = 0  # an array's element: its array and index (J.shown names it `17_5`)
     array_index: int = 0
     preempted_by: str = ""  # how = preempted: why, naming who (`GPU 1 busy: bob python3[4242] holds ...`)
+    energy_mj: Optional[float] = None  # once it ended: over its GPUs (runrecords.py); None: not known
+
+
+Hook = Callable[[JobRun], JobRun]
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,12 @@ class Runs:
         self.version: Optional[int] = None
         self.first = True
 
-    def seen(self, jobs: Iterable[Job], version: int, wall: float) -> None:
+    def seen(self, jobs: Iterable[Job], version: int, wall: float, hook: Optional[Hook] = None) -> None:
         """Compare the store's jobs (at this version) with the runs seen before. The first call's runs
         are an earlier daemon's: they went with it (their processes were stopped when it died), at a time
-        not known here, so their end is None."""
+        not known here, so their end is None. `hook` hears each run that starts or ends, once (the
+        queue's records: runrecords.py), and may return it with more said (its energy)."""
+        hook = hook or (lambda run: run)
         if version == self.version:
             return
         self.version = version
@@ -126,13 +132,13 @@ class Runs:
                 self.live[job_id] = dataclasses.replace(run, state=job.state)
                 continue
             del self.live[job_id]
-            ended = self._end(run, by_id.get(job_id), job, wall)
+            ended = hook(self._end(run, by_id.get(job_id), job, wall))
             self.ended.append(dataclasses.replace(ended, end=None) if run.earlier else ended)
         for job_id, job in now.items():
             if job_id not in self.live:
                 run = _run(job, self.first)
                 self.live[job_id] = run
-                self.started.append(run)
+                self.started.append(hook(run))
         self.first = False
 
     def _end(self, run: JobRun, job: Optional[Job], again: Optional[Job], wall: float) -> JobRun:

@@ -4,7 +4,9 @@ and an in-memory copy of every job that reads use. Every change is committed bef
 
 Tables: `jobs`, the columns reads would filter on (user, state, times) and the job as JSON; `arrays`, an
 array as submitted, once (its elements' rows hold their array's id and index until they change: rows.py);
-and `queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when). In
+`queue_state`, the queue's own settings as key and JSON value (`drained`: who drained it, when); and
+`runs` (schema 3), each run of a job as runrecords.py writes it when it starts and ends, read only by
+`show`. In
 memory too an element as submitted is its id (jobs.array_class) and its array's index -> id is the array's
 indices (arrays.Members): five held 10 000-element arrays take 10 MB of the daemon's memory, not 110.
 The file carries its own application id and schema version; a damaged or foreign file is moved aside (one
@@ -46,7 +48,7 @@ from gpu_mon.queue.jobs import Job
 
 log = logging.getLogger("gpu_mon")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 APPLICATION_ID = 0x67706D71  # "gpmq": marks the file as gpu-mon's queue
 _SCHEMA_V1 = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -64,6 +66,12 @@ _QUEUE_STATE = "CREATE TABLE IF NOT EXISTS queue_state (key TEXT PRIMARY KEY, va
 # 2: an array's shared part once (an older gpu-mon would read its elements without a command: it moves the
 # file aside instead, as it does any newer one)
 _SCHEMA_V2 = "CREATE TABLE arrays (id INTEGER PRIMARY KEY, data TEXT NOT NULL);"
+# 3: each run of a job, written when it starts and when it ends (runrecords.py): its GPUs, how it ended,
+# NVML's energy counters at its start and end. Keyed by the job and the run's start (wall), removed with
+# the job. Nothing keeps them in memory: `show` reads one job's rows.
+_SCHEMA_V3 = """CREATE TABLE runs (
+    job INTEGER NOT NULL, start REAL NOT NULL, end REAL, how TEXT NOT NULL, data TEXT NOT NULL,
+    PRIMARY KEY (job, start));"""
 # SQLite's page cache, KiB (its default: 2000): reads are from memory (the file is read whole once, at
 # start), so the cache only holds the pages a write changes; 2 MB of the daemon's memory for nothing.
 CACHE_KIB = 200
@@ -127,9 +135,14 @@ def _migrate(conn) -> None:
     if current > SCHEMA_VERSION:
         raise NotOurs(f"written by a newer gpu-mon (schema {current}; this one knows {SCHEMA_VERSION})")
     if current == 0:
-        conn.executescript(f"BEGIN; {_SCHEMA_V1} {_SCHEMA_V2} INSERT INTO schema_version VALUES (2); COMMIT;")
-    elif current == 1:
-        conn.executescript(f"BEGIN; {_SCHEMA_V2} UPDATE schema_version SET version = 2; COMMIT;")
+        conn.executescript(
+            f"BEGIN; {_SCHEMA_V1} {_SCHEMA_V2} {_SCHEMA_V3} INSERT INTO schema_version VALUES (3); COMMIT;"
+        )
+    elif current < SCHEMA_VERSION:
+        steps = {2: _SCHEMA_V2, 3: _SCHEMA_V3}
+        for target in range(current + 1, SCHEMA_VERSION + 1):
+            bump = f"UPDATE schema_version SET version = {target}"
+            conn.executescript(f"BEGIN; {steps[target]} {bump}; COMMIT;")
     conn.execute(_QUEUE_STATE)
     for index in _UNREAD_INDEXES:
         conn.execute(f"DROP INDEX IF EXISTS {index}")
@@ -516,6 +529,7 @@ class Store:
 
         def work() -> None:
             self.conn.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in ids])
+            self.conn.executemany("DELETE FROM runs WHERE job = ?", [(i,) for i in ids])
             self.conn.executemany("DELETE FROM arrays WHERE id = ?", [(a,) for a in gone_arrays])
 
         self._transaction(work)
@@ -597,6 +611,30 @@ class Store:
             self._flush(durable)
             self.version += 1
             return out
+
+    # ------------------------------------------------------------------ runs (runrecords.py)
+
+    def record_runs(self, rows: Sequence[Tuple[int, float, Optional[float], str, str]]) -> None:
+        """Write runs' records, (job, start, end, how, data JSON), each replacing the one of the same run;
+        not waiting for the disk (a start's: see the module's text). historydb.Error or OSError when it
+        cannot be written (the caller keeps them for the next try)."""
+        with self.lock:
+            self._transaction(
+                lambda: self.conn.executemany(
+                    "INSERT OR REPLACE INTO runs (job, start, end, how, data) VALUES (?, ?, ?, ?, ?)", rows
+                ),
+                durable=False,
+            )
+
+    def runs_of(self, job_id: int) -> List[Tuple[float, Optional[float], str, str]]:
+        """One job's runs as recorded, (start, end, how, data JSON), by start (read from the file: a
+        `show`'s, never a round's)."""
+        with self.lock:
+            return list(
+                self.conn.execute(
+                    "SELECT start, end, how, data FROM runs WHERE job = ? ORDER BY start", (job_id,)
+                )
+            )
 
     def flush(self, now: float) -> None:
         """Write the changes a failed write left in memory (at most every RETRY_SECONDS while it fails)."""

@@ -71,6 +71,10 @@ class QueueTier(Tier):
     def see(self, snap: Snapshot, quick: bool) -> Snapshot:
         return snap if quick or self.queue is None else self.queue.take_jobs(snap)
 
+    def ask(self, snap: Snapshot, moment: Moment) -> None:
+        if self.queue is not None:
+            self.queue.seen_look(snap)
+
     def _gpus(self, moment: Moment) -> List[str]:
         assert self.queue is not None
         return queue_gpus(self.queue.q, moment.plan.rules, moment.plan.index_of)
