@@ -172,7 +172,7 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         "name": args.name,
         "gpus": args.gpus,
         "priority": args.priority,
-        "after": _ids(args.after),
+        "after": _after(args.after),
         "array": args.array,
         "notify": args.notify or "",
         "notify_each": args.notify_each,
@@ -316,8 +316,14 @@ def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
     return base.EXIT_FAILURE
 
 
-def _ids(text: str) -> List[Union[int, str]]:
-    return [_job_id(part) for part in text.split(",") if part.strip()] if text else []
+def _after(text: str) -> List[Union[int, str]]:
+    """--after's dependencies as the request sends them (queue/afterspec.py)."""
+    from gpu_mon.queue import afterspec
+
+    try:
+        return afterspec.parse(text)
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
 
 def _job_id(text: str) -> Union[int, str]:
@@ -632,8 +638,10 @@ _SUBMIT_OPTIONS = (
     _opt(
         "--after",
         default="",
-        metavar="ID[,ID...]",
-        help="start only after these jobs are done (17: every element of array 17; 17_5: one element)",
+        metavar="DEPS",
+        help="start only after these jobs, as Slurm's --dependency: afterok:ID[:ID...] (done; a plain ID "
+        "too), afterany:ID (ended, whatever the end), afternotok:ID (ended without success), combined "
+        "with commas (17: every element of array 17; 17_5: one element)",
     ),
     _opt(
         "--array",

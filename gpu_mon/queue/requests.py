@@ -21,16 +21,17 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tupl
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, fields, submitcheck
+from gpu_mon.queue import afterspec, arrays, fields, submitcheck, timelimits
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, run_seconds
-from gpu_mon.queue.placement import Waiting, never_fits
+from gpu_mon.queue.placement import Waiting, never_fits, never_met
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
 from gpu_mon.queue.store import MIB, Drained, Limits, Refused, Store
+from gpu_mon.queue.words import never_met as waiting_words_never_met
 from gpu_mon.queue.words import refusal
 from gpu_mon.queue.words import waiting as waiting_words
 
@@ -183,17 +184,13 @@ class Requests:
         grace = _seconds(req, "grace", q.grace_seconds, "--grace")
         if grace > q.max_grace_seconds:
             raise Bad(f"--grace {grace:g} is over the limit of {q.max_grace_seconds:g} s", 1)
-        after, after_arrays = self._after(req.get("after") or [])
+        after = self._after(req.get("after") or [])
         output = fields.text(req, "output", "--output", fields.MAX_PATH)
         if output and not os.path.isabs(output):
             raise Bad("--output must be an absolute path")
-        limit = req.get("time_limit")
-        if limit is not None:
-            limit = _seconds(req, "time_limit", 0.0, "--time-limit")
-            if limit <= 0:
-                raise Bad("--time-limit must be more than 0")
+        limit = self._time_limit(req)
         top = fields.MAX_PRIORITY
-        return Job(
+        job = Job(
             id=0,
             user=user.pw_name,
             uid=user.pw_uid,
@@ -206,8 +203,7 @@ class Requests:
             name=name,
             gpus_wanted=gpus,
             priority=fields.whole(req, "priority", "--priority", 0, -top, top),
-            after=after,
-            after_arrays=after_arrays,
+            **after,
             notify=self._notify(req),
             notify_each=fields.flag(req, "notify_each", False),
             stop_signal=fields.stop_signal(req.get("stop_signal", "SIGTERM")),
@@ -217,26 +213,56 @@ class Requests:
             requeue=fields.flag(req, "requeue", True),
             state=J.HELD if fields.flag(req, "hold", False) else J.QUEUED,
         )
+        if J.depends(job):
+            self._never_met(job)
+        return job
 
-    def _after(self, refs: object) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """--after's jobs and whole arrays (`17`: every element of array 17; `17_5`: one element)."""
-        if not isinstance(refs, list) or len(refs) > 1000:
-            raise Bad("--after takes job ids (at most 1000)")
-        jobs: List[int] = []
-        whole: List[int] = []
-        for ref in refs:
+    def _after(self, refs: object) -> Dict[str, Tuple[int, ...]]:
+        """--after's jobs and whole arrays by kind (afterspec.py: `17`: every element of array 17; `17_5`:
+        one element), as Job's fields (J.DEPENDENCIES); Bad for a job that does not exist."""
+        if not isinstance(refs, list) or len(refs) > afterspec.MAX_REFS:
+            raise Bad(f"--after takes job ids (at most {afterspec.MAX_REFS})")
+        out: Dict[str, List[int]] = {name: [] for name in J.DEPENDENCIES}
+        for item in refs:
             try:
+                kind, ref = afterspec.split(item)
                 job_id, index = _ref(ref)
-            except Bad as err:
-                raise Bad(f"--after: {err}") from None
+            except (Bad, ValueError) as err:
+                raise Bad(f"--after: {err}".replace("--after: --after: ", "--after: ")) from None
+            field = "after" if kind == afterspec.AFTEROK else f"after_{kind[5:]}"
             if index is None and job_id in self.store.arrays:
-                whole.append(job_id)
+                out[f"{field}_arrays"].append(job_id)
                 continue
             job = self.store.get(job_id) if index is None else self.store.element(job_id, index)
             if job is None:
                 raise Bad(f"--after {_ref_text(ref)}: no such job")
-            jobs.append(job.id)
-        return tuple(dict.fromkeys(jobs)), tuple(dict.fromkeys(whole))
+            out[field].append(job.id)
+        return {name: tuple(dict.fromkeys(ids)) for name, ids in out.items()}
+
+    def _never_met(self, job: Job) -> None:
+        """Bad (one line) when one of its dependencies can never be met as the jobs are now (an afterok on
+        a job that failed or was cancelled, an afternotok on one done): sbatch refuses such a job too."""
+        arrays = (*job.after_arrays, *job.after_any_arrays, *job.after_notok_arrays)
+        elements = [e for a in dict.fromkeys(arrays) for e in self.store.elements(a)]
+        named = (self.store.get(i) for i in (*job.after, *job.after_any, *job.after_notok))
+        never = never_met(job, {j.id: j for j in named if j is not None}, elements)
+        if never is not None:
+            why = waiting_words_never_met(never, self._named)
+            raise Bad(f"--after {why.replace(' (', ' can never be met (', 1)}", 1)
+
+    def _named(self, job_id: int) -> str:
+        job = self.store.get(job_id)
+        return J.ref(job) if job is not None else str(job_id)
+
+    def _time_limit(self, req: dict) -> Optional[float]:
+        """--time-limit (seconds), within [queue] max_time_limit; [queue] default_time_limit without one."""
+        limit = req.get("time_limit")
+        if limit is None:
+            return self.queue.default_time_limit
+        limit = _seconds(req, "time_limit", 0.0, "--time-limit")
+        if limit <= 0:
+            raise Bad("--time-limit must be more than 0")
+        return timelimits.within_max(limit, self.queue)
 
     def _notify(self, req: dict) -> Tuple[str, ...]:
         """--notify CMD (run by /bin/sh as the user), or none."""
