@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base
+from gpu_mon.commands import base, queue_update
 from gpu_mon.commands.base import CliError
 from gpu_mon.config import DEFAULT_PATH, QueueSection
 from gpu_mon.queue import arrays
@@ -73,11 +73,18 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         help="wait until jobs end",
         description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
         "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
-        "(124: time limit; 1: cancelled or preempted). Waiting outlives a restart of the daemon: one line "
-        "on stderr says so and it waits on (for ever, without --timeout, if no daemon comes back).",
+        "(124: time limit; 1: cancelled or preempted; an array with an element cancelled is not done: "
+        "exit 1); with --any-end, 0 once all have ended, whatever the end. Waiting outlives a restart of "
+        "the daemon: one line on stderr says so and it waits on (for ever, without --timeout, if no daemon "
+        "comes back).",
     )
     add_common(p, top=False, sim=False)
     _add_timeout(p, "")
+    p.add_argument(
+        "--any-end",
+        action="store_true",
+        help="exit 0 once every job has ended, done or not (`wait --any-end 17 && python3 collect.py`)",
+    )
     p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
     p = sub.add_parser(
         "queue",
@@ -88,6 +95,7 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     )
     add_common(p, top=False, sim=False)
     p.add_argument("action", choices=("drain", "resume"))
+    queue_update.add_arguments(sub, add_common, _job_id)
 
 
 def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -98,7 +106,7 @@ def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
     )
 
 
-COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue")
+COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue", "update", "share")
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -111,8 +119,10 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "hold": _change,
         "release": _change,
         "logs": _logs,
-        "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids)),
+        "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids), a.any_end),
         "queue": _drain,
+        "update": lambda a, s: queue_update.update(a, s, _ask),
+        "share": lambda a, s: queue_update.share(a, s, _ask),
     }[args.command]
     try:
         return handler(args, socket)
@@ -287,9 +297,10 @@ def _named(refs: List[Union[int, str]]) -> str:
     return ("job " if len(refs) == 1 else "jobs ") + ", ".join(map(str, refs))
 
 
-def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
+def _wait(waiting: _Waiting, refs: List[Union[int, str]], any_end: bool = False) -> int:
     """Until every job named has ended (an array: each element, listed by state); then 0 when all are
-    done, else the first failure's status; 124 when --timeout ran out first."""
+    done (any_end: whatever their end), else the first failure's status; 124 when --timeout ran out
+    first."""
     jobs = waiting.jobs(refs)
     while jobs is not None:
         if not jobs:
@@ -305,7 +316,7 @@ def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
     for j in jobs:
         print(f"job {_shown_id(j)} {j['state']}", file=sys.stderr)
     failed = [j for j in jobs if j["state"] != J.DONE]
-    if not failed:
+    if not failed or any_end:
         return base.EXIT_OK
     job = failed[0]
     if job["state"] == J.TIMEOUT:

@@ -565,3 +565,14 @@ def _dependencies(
         elif j.state == J.QUEUED:
             cands.append(j)
     return cands, cancels, waiting
+
+
+def users_in_order(jobs: Sequence[Job], q: QueueSection, wall: float) -> Tuple[List[str], Dict[str, float]]:
+    """`gpu-mon share`'s view of the order `place` follows: the users with queued jobs, in the order their
+    next job would take GPUs ([queue] order: fair or fifo), and every user's GPU-seconds over the fair
+    window (running jobs' included)."""
+    s = _sort(jobs)
+    users = _users(s.live, s.used, wall, q.fair_window_hours * 3600)
+    queued = [j for j in jobs if j.state == J.QUEUED]
+    order = list(dict.fromkeys(j.user for j in _order(queued, users, q.order == "fair")))
+    return order, {u: seconds for u, seconds in users.usage.items() if seconds > 0}

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tupl
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import afterspec, arrays, fields, submitcheck, timelimits
+from gpu_mon.queue import afterspec, arrays, fields, share, submitcheck, timelimits, update
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
@@ -117,6 +117,8 @@ class Requests:
             "logs-path": self._logs_path,
             "ids": self._ids,
             "queue": self._queue,
+            "update": self._update,
+            "share": self._share,
         }.get(op if isinstance(op, str) else "")
         if handler is None:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
@@ -561,6 +563,45 @@ class Requests:
             return J.released(job)
 
         return self._each(peer, user, req, release)
+
+    def _update(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`gpu-mon update`: the change update.py reads, checked as a submit checks it, made to each job
+        named that the asker may change (an array named whole: its queued and held elements)."""
+        ids = req.get("ids")
+        if not isinstance(ids, list) or not ids or len(ids) > 10000:
+            raise Bad("update: no job ids given")
+        change = update.asked(req, self.queue, self._after, self._could_start)
+        results: List[dict] = []
+        for ref in ids:
+            try:
+                found = self._targets(peer, ref)
+                whole = _ref(ref)[1] is None and found[0].array_id == _ref(ref)[0]
+                self._may_update(peer, found if whole else found[:1], change)
+                edit = partial(update.changed, change=change, waiting_only=whole)
+                results.append(self._apply(ref, found, edit) if whole else self._one(ref, found[0], edit))
+            except Bad as err:
+                results.append({"id": ref, "ok": False, "error": str(err), "code": err.code})
+        self.changed()
+        return {"results": results}
+
+    def _may_update(self, peer: Peer, found: List[Job], change: update.Change) -> None:
+        """Bad when the change may not be made to these jobs: a plain user raising a priority; an --after
+        that can never be met, or that would wait for the job itself."""
+        waiting = [j for j in found if j.state in (J.QUEUED, J.HELD)]
+        update.allowed(waiting or found, change, _admin(peer))
+        if change.after is None or not waiting:
+            return
+        self._never_met(dataclasses.replace(waiting[0], **change.after))
+        for j in waiting if len(waiting) < 1000 else waiting[:1] + waiting[-1:]:
+            looped = update.cycle(j, change.after, self.store.get, self.store.elements)
+            if looped is not None:
+                through = self._named(looped)
+                raise Bad(f"--after: job {J.ref(j)} would wait for itself (through job {through})", 1)
+
+    def _share(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`gpu-mon share`: share.py's table (a plain user: only their own line under share_public = no)."""
+        everyone = _admin(peer) or self.queue.share_public
+        return share.table(self.store.all(), self.queue, time.time(), None if everyone else user.pw_name)
 
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))
