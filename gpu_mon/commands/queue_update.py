@@ -92,7 +92,8 @@ def share(args: argparse.Namespace, socket: str, ask: Ask) -> int:
         print(json.dumps({k: answer.get(k) for k in keys}))
         return base.EXIT_OK
     hours = float(answer.get("window_hours") or 0)
-    head = f"{answer.get('order')} order; GPU-hours over the last {hours:g} h; PLACE 1 takes the next free GPU"
+    order = answer.get("order")
+    head = f"{order} order; GPU-hours over the last {hours:g} h; place 1 gets the next free GPU"
     rows = [("PLACE", "USER", "GPU-HOURS", "RUNNING", "GPUS", "QUEUED", "HELD")]
     for u in users:
         place = u.get("place")

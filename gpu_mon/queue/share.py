@@ -30,7 +30,8 @@ def table(jobs: Sequence[Job], q: QueueSection, wall: float, only: Optional[str]
     rows = [
         {
             "user": u,
-            "gpu_hours": round(usage.get(u, 0.0) / 3600, 3),
+            "gpu_hours": round(usage.get(u, 0.0) / 3600, 4),
+            "gpu_seconds": round(usage.get(u, 0.0), 1),  # (what the order compares)
             "place": place.get(u),
             "queued": counts.get(u, Counter())[J.QUEUED],
             "held": counts.get(u, Counter())[J.HELD],
@@ -40,5 +41,5 @@ def table(jobs: Sequence[Job], q: QueueSection, wall: float, only: Optional[str]
         for u in names
         if only is None or u == only
     ]
-    rows.sort(key=lambda r: (r["place"] is None, r["place"] or 0, r["gpu_hours"], r["user"]))
+    rows.sort(key=lambda r: (r["place"] is None, r["place"] or 0, r["gpu_seconds"], r["user"]))
     return {"order": q.order, "window_hours": q.fair_window_hours, "users": rows, "everyone": only is None}
