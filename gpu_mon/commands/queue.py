@@ -68,6 +68,21 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     add_common(p, top=False, sim=False)
     p.add_argument("id", type=_job_id, metavar="ID")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    _add_wait(sub, add_common)
+    p = sub.add_parser(
+        "queue",
+        help="the admin's: drain the queue (no job starts) or resume it",
+        description="drain: no queued job starts (running jobs go on), for maintenance; resume: jobs start "
+        "again. Root only (or the daemon's own user); a drain lasts across a restart of the daemon. "
+        "`jobs` and `status` say who drained it, and when.",
+    )
+    add_common(p, top=False, sim=False)
+    p.add_argument("action", choices=("drain", "resume"))
+    queue_update.add_arguments(sub, add_common, _job_id)
+
+
+def _add_wait(sub: argparse._SubParsersAction, add_common: Callable[..., None]) -> None:
+    """`wait`."""
     p = sub.add_parser(
         "wait",
         help="wait until jobs end",
@@ -86,16 +101,6 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         help="exit 0 once every job has ended, done or not (`wait --any-end 17 && python3 collect.py`)",
     )
     p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
-    p = sub.add_parser(
-        "queue",
-        help="the admin's: drain the queue (no job starts) or resume it",
-        description="drain: no queued job starts (running jobs go on), for maintenance; resume: jobs start "
-        "again. Root only (or the daemon's own user); a drain lasts across a restart of the daemon. "
-        "`jobs` and `status` say who drained it, and when.",
-    )
-    add_common(p, top=False, sim=False)
-    p.add_argument("action", choices=("drain", "resume"))
-    queue_update.add_arguments(sub, add_common, _job_id)
 
 
 def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
