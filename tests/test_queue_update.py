@@ -231,6 +231,10 @@ def test_update_changes_what_a_submit_would_check_and_refuses_the_adversary(ulab
     )
     assert update(ann, "--name", "renamed", str(job)).returncode == 0
     assert lab.jobs(ann)[job]["name"] == "renamed"
+    assert update(ann, "--time-limit", "1", str(job)).returncode == 0  # (passed already: it ends now)
+    lab.wait_state(ann, job, "timeout")
+    r = update(ann, "--name", "late", str(job))
+    assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {job} has ended (timeout): nothing to update\n")
     # share_public = no: a plain user sees their own line; root everyone's
     lab.submit(ben, "--hold", *lab.job_cmd("exit", "0"))
     seen = json.loads(lab.run(ann, "share", "--json").stdout)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from gpu_mon.config import QueueSection
 from gpu_mon.queue import fields, timelimits
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
@@ -22,6 +23,7 @@ OPTIONS = {"priority": "--priority", "time_limit": "--time-limit", "gpus": "--gp
 OPTIONS["name"] = "--name"
 WHILE_RUNNING = ("name", "time_limit")
 MAX_WALK = 200_000  # jobs a check for a cycle of --after looks at, at most
+TOP, LOW = fields.MAX_PRIORITY, -fields.MAX_PRIORITY
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Change:
 
 def asked(
     req: dict,
-    q: object,
+    q: QueueSection,
     after: Callable[[object], Dict[str, Tuple[int, ...]]],
     could_start: Callable[[int], None],
 ) -> Change:
@@ -61,18 +63,15 @@ def asked(
     return change
 
 
-TOP, LOW = fields.MAX_PRIORITY, -fields.MAX_PRIORITY
-
-
 def _optional(req: dict, key: str, read: Callable[[], object]) -> object:
     return read() if req.get(key) is not None else None
 
 
-def _limit(req: dict, q: object) -> float:
+def _limit(req: dict, q: QueueSection) -> float:
     value = req.get("time_limit")
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 366 * 86400:
         raise Bad("--time-limit must be a number of seconds, more than 0 (at most a year)")
-    return timelimits.within_max(float(value), q)  # type: ignore[arg-type]
+    return timelimits.within_max(float(value), q)
 
 
 def allowed(jobs: Iterable[Job], change: Change, admin: bool) -> None:
