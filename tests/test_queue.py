@@ -365,7 +365,7 @@ def test_after_chains_a_failed_dependency_cancels_and_a_time_limit_ends_as_timeo
     assert lab.wait_state(lab.alice, bad, "failed")["exit_status"] == 3
     lab.wait_state(lab.alice, two, "done")
     cancelled = lab.wait_state(lab.bob, after_bad, "cancelled")
-    assert cancelled["reason"] == f"after job {bad} failed"
+    assert cancelled["reason"] == f"dependency never met: afterok:{bad} (job {bad} failed)"
     assert lab.reports(lab.bob, after_bad) == []  # it never ran
     assert lab.reports(lab.alice, two)[0]["t"] >= lab.reports(lab.alice, one)[-1]["t"]
     r = lab.run(lab.alice, "submit", "--wait", "--time-limit", "1", *lab.job_cmd("forever"))

@@ -203,7 +203,7 @@ def test_placement_keeps_an_arrays_limit_and_waits_for_a_whole_array() -> None:
     assert [s.job for s in plan.starts] == [7]
     failed = [*done[:3], Job(**{**done[3].__dict__, "state": "failed"}), *done[4:]]
     plan = placement.place([*failed, after], gpus, QueueSection(), 0, 100.0, time.time())
-    assert plan.cancels == (placement.CancelJob(7, 4, "failed"),)
+    assert plan.cancels == (placement.CancelJob(7, 4, "failed", "afterok", 1),)
 
 
 def test_placing_10000_elements_is_linear_not_quadratic() -> None:
@@ -338,7 +338,7 @@ def test_cancel_hold_release_and_after_take_an_array_or_one_element(alab, daemon
     r = lab.run(ann, "release", str(arr))
     assert (r.returncode, r.stdout) == (0, f"job {arr}: queued (2 of 4 elements)\n")
     cancelled = lab.wait_state(ben, after, "cancelled")
-    assert cancelled["reason"] == f"after job {arr}_3 cancelled"  # (the element as users name it)
+    assert cancelled["reason"] == f"dependency never met: afterok:{arr} (job {arr}_3 cancelled)"  # (as named)
     r = lab.run(ann, "logs", str(arr))
     assert r.returncode == 2 and "is an array of 4 elements: name one" in r.stderr
     r = lab.run(ann, "wait", str(arr))

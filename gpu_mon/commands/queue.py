@@ -17,7 +17,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from gpu_mon.api.text import sanitize
-from gpu_mon.commands import base, queue_show
+from gpu_mon.commands import base, queue_show, queue_update
 from gpu_mon.commands.base import CliError
 from gpu_mon.config import DEFAULT_PATH, QueueSection
 from gpu_mon.queue import arrays
@@ -68,17 +68,7 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     add_common(p, top=False, sim=False)
     p.add_argument("id", type=_job_id, metavar="ID")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
-    p = sub.add_parser(
-        "wait",
-        help="wait until jobs end",
-        description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
-        "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
-        "(124: time limit; 1: cancelled or preempted). Waiting outlives a restart of the daemon: one line "
-        "on stderr says so and it waits on (for ever, without --timeout, if no daemon comes back).",
-    )
-    add_common(p, top=False, sim=False)
-    _add_timeout(p, "")
-    p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
+    _add_wait(sub, add_common)
     p = sub.add_parser(
         "queue",
         help="the admin's: drain the queue (no job starts) or resume it",
@@ -89,6 +79,29 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     add_common(p, top=False, sim=False)
     p.add_argument("action", choices=("drain", "resume"))
     queue_show.add_arguments(sub, add_common, _job_id)
+    queue_update.add_arguments(sub, add_common, _job_id)
+
+
+def _add_wait(sub: argparse._SubParsersAction, add_common: Callable[..., None]) -> None:
+    """`wait`."""
+    p = sub.add_parser(
+        "wait",
+        help="wait until jobs end",
+        description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
+        "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
+        "(124: time limit; 1: cancelled or preempted; an array with an element cancelled is not done: "
+        "exit 1); with --any-end, 0 once all have ended, whatever the end. Waiting outlives a restart of "
+        "the daemon: one line on stderr says so and it waits on (for ever, without --timeout, if no daemon "
+        "comes back).",
+    )
+    add_common(p, top=False, sim=False)
+    _add_timeout(p, "")
+    p.add_argument(
+        "--any-end",
+        action="store_true",
+        help="exit 0 once every job has ended, done or not (`wait --any-end 17 && python3 collect.py`)",
+    )
+    p.add_argument("ids", nargs="+", type=_job_id, metavar="ID")
 
 
 def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -99,7 +112,7 @@ def _add_timeout(p: argparse.ArgumentParser, prefix: str) -> None:
     )
 
 
-COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue", "show")
+COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queue", "show", "update", "share")
 
 
 def cmd_queue(args: argparse.Namespace) -> int:
@@ -112,9 +125,11 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "hold": _change,
         "release": _change,
         "logs": _logs,
-        "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids)),
+        "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids), a.any_end),
         "queue": _drain,
         "show": lambda a, s: queue_show.run(a, s, _ask),
+        "update": lambda a, s: queue_update.update(a, s, _ask),
+        "share": lambda a, s: queue_update.share(a, s, _ask),
     }[args.command]
     try:
         return handler(args, socket)
@@ -174,7 +189,7 @@ def _submit(args: argparse.Namespace, socket: str) -> int:
         "name": args.name,
         "gpus": args.gpus,
         "priority": args.priority,
-        "after": _ids(args.after),
+        "after": _after(args.after),
         "array": args.array,
         "notify": args.notify or "",
         "notify_each": args.notify_each,
@@ -289,9 +304,10 @@ def _named(refs: List[Union[int, str]]) -> str:
     return ("job " if len(refs) == 1 else "jobs ") + ", ".join(map(str, refs))
 
 
-def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
+def _wait(waiting: _Waiting, refs: List[Union[int, str]], any_end: bool = False) -> int:
     """Until every job named has ended (an array: each element, listed by state); then 0 when all are
-    done, else the first failure's status; 124 when --timeout ran out first."""
+    done (any_end: whatever their end), else the first failure's status; 124 when --timeout ran out
+    first."""
     jobs = waiting.jobs(refs)
     while jobs is not None:
         if not jobs:
@@ -307,7 +323,7 @@ def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
     for j in jobs:
         print(f"job {_shown_id(j)} {j['state']}", file=sys.stderr)
     failed = [j for j in jobs if j["state"] != J.DONE]
-    if not failed:
+    if not failed or any_end:
         return base.EXIT_OK
     job = failed[0]
     if job["state"] == J.TIMEOUT:
@@ -318,8 +334,14 @@ def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
     return base.EXIT_FAILURE
 
 
-def _ids(text: str) -> List[Union[int, str]]:
-    return [_job_id(part) for part in text.split(",") if part.strip()] if text else []
+def _after(text: str) -> List[Union[int, str]]:
+    """--after's dependencies as the request sends them (queue/afterspec.py)."""
+    from gpu_mon.queue import afterspec
+
+    try:
+        return afterspec.parse(text)
+    except ValueError as err:
+        raise CliError(str(err)) from None
 
 
 def _job_id(text: str) -> Union[int, str]:
@@ -634,8 +656,10 @@ _SUBMIT_OPTIONS = (
     _opt(
         "--after",
         default="",
-        metavar="ID[,ID...]",
-        help="start only after these jobs are done (17: every element of array 17; 17_5: one element)",
+        metavar="DEPS",
+        help="start only after these jobs, as Slurm's --dependency: afterok:ID[:ID...] (done; a plain ID "
+        "too), afterany:ID (ended, whatever the end), afternotok:ID (ended without success), combined "
+        "with commas (17: every element of array 17; 17_5: one element)",
     ),
     _opt(
         "--array",

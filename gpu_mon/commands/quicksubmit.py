@@ -181,21 +181,14 @@ def _request(opts: Dict[str, object], command: List[str]) -> Optional[dict]:
 
 
 def _after(text: str) -> Optional[List[object]]:
-    """--after's ids as the CLI sends them (`17` a number, `17_5` as it is); None when one is not an id."""
-    out: List[object] = []
-    for part in text.split(",") if text else []:
-        if not part.strip():
-            continue
-        job, under, index = part.strip().partition("_")
-        if not _number(job) or int(job) < 1 or (under and not _number(index)):
-            return None
-        out.append(f"{int(job)}_{int(index)}" if under else int(job))
-    return out
+    """--after's dependencies as the CLI sends them (queue/afterspec.py, which both parse with); None when
+    it refuses them (the CLI says why)."""
+    from gpu_mon.queue import afterspec
 
-
-def _number(text: str) -> bool:
-    """1 to 9 digits (queue/arrays.py's job ids)."""
-    return 0 < len(text) <= 9 and text.isascii() and text.isdigit()
+    try:
+        return afterspec.parse(text)  # type: ignore[return-value]
+    except ValueError:
+        return None
 
 
 def _duration(text: str) -> Optional[float]:

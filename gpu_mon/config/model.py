@@ -178,6 +178,9 @@ class QueueSection:
     fair_window_hours: float = 24.0
     grace_seconds: float = 30.0
     max_grace_seconds: float = 600.0
+    default_time_limit: Optional[float] = None  # seconds: a job submitted without --time-limit gets it
+    max_time_limit: Optional[float] = None  # seconds: a longer --time-limit is refused (submit, update)
+    share_public: bool = True  # `gpu-mon share`: a plain user sees every user's usage (no: only their own)
     start_delay_seconds: Optional[float] = None  # None: [defaults] start_delay_seconds
     # A holder of a running job's GPU's node stops the job only once it has held it this long (placement.py)
     brief_open_seconds: float = 0.3

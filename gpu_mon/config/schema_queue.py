@@ -87,6 +87,32 @@ QUEUE = SectionSpec(
         ),
         Key("max_grace_seconds", "seconds", plain(v.seconds), "600", "The longest grace a job may ask for."),
         Key(
+            "default_time_limit",
+            "duration, or empty",
+            plain(v.optional(v.duration)),
+            "",
+            "The time limit of a job submitted without --time-limit (90, 30m, 2h, 1d; Slurm's DefaultTime). "
+            "Empty: none.",
+            "1d",
+        ),
+        Key(
+            "max_time_limit",
+            "duration, or empty",
+            plain(v.optional(v.duration)),
+            "",
+            "The longest --time-limit a job may have (Slurm's MaxTime): `submit` and `update` refuse a "
+            "longer one, in one line. At least default_time_limit. Empty: none.",
+            "7d",
+        ),
+        Key(
+            "share_public",
+            "boolean",
+            plain(v.boolean),
+            "yes",
+            "yes: `gpu-mon share` shows every user's usage and place in the fair order to everyone (the "
+            "order is public on a shared server); no: a plain user sees only their own line (root sees all).",
+        ),
+        Key(
             "start_delay_seconds",
             "seconds, or empty",
             plain(v.optional(v.seconds)),

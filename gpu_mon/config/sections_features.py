@@ -81,6 +81,10 @@ def queue_section(sec: Section, warn: List[str]) -> QueueSection:
             "grace_seconds",
             f"{queue.grace_seconds:g} is over max_grace_seconds ({queue.max_grace_seconds:g})",
         )
+    longest, default = queue.max_time_limit, queue.default_time_limit
+    if longest is not None and default is not None and default > longest:
+        line = values.get("default_time_limit", (0, sec.raw.line))[1]
+        sec.error(line, "default_time_limit", f"{default:g} s is over max_time_limit ({longest:g} s)")
     return queue
 
 

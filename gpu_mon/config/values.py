@@ -64,6 +64,23 @@ def seconds(value: str, minimum: float = 0.0, exclusive: bool = False) -> float:
     return number
 
 
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(value: str) -> float:
+    """A duration as `submit --time-limit` takes it (90, 90s, 30m, 2h, 1d), more than 0, at most a year: in
+    seconds."""
+    text = value.strip().lower()
+    unit = text[-1] if text and text[-1] in "smhd" else ""
+    try:
+        number = float(text[: len(text) - len(unit)]) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise ValueError(f"{value!r} is not a duration (90, 90s, 30m, 2h, 1d)") from None
+    if not math.isfinite(number) or not 0 < number <= MAX_SECONDS:
+        raise ValueError(f"{value!r} must be more than 0 and at most a year")
+    return number
+
+
 def positive_seconds(value: str) -> float:
     """Seconds, more than 0."""
     return seconds(value, 0.0, exclusive=True)

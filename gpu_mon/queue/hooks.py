@@ -34,7 +34,7 @@ import stat
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Protocol, Tuple
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.queue import jobs as J
@@ -77,6 +77,7 @@ class Notice:
     state: str
     exit: Optional[int]
     counts: str = ""  # an array's: `done=198 failed=2`
+    summary: str = ""  # an array's, in words: `198 done, 2 failed` (done first, then the most)
 
 
 def _event(before: Optional[Job], job: Job) -> Optional[str]:
@@ -138,8 +139,14 @@ class Notices:
             state = bad.state if bad is not None else J.DONE
             exit_status = bad.exit_status if bad is not None else 0
             text = " ".join(f"{s}={n}" for s, n in sorted(counts[array_id].items()))
-            out.append(Notice(last, state, exit_status, text))
+            out.append(Notice(last, state, exit_status, text, array_summary(counts[array_id])))
         return out
+
+
+def array_summary(counts: Mapping[str, int]) -> str:
+    """How an array's elements ended, in words: `18 done, 2 cancelled` (done first, then the most)."""
+    order = sorted(counts.items(), key=lambda kv: (kv[0] != J.DONE, -kv[1], kv[0]))
+    return ", ".join(f"{n} {state}" for state, n in order if n)
 
 
 def environment(n: Notice) -> Dict[str, str]:
@@ -157,6 +164,8 @@ def environment(n: Notice) -> Dict[str, str]:
         env.update(GPU_MON_ARRAY_ID=str(j.array_id), GPU_MON_ARRAY_INDEX=str(j.array_index))
         if n.counts:
             env["GPU_MON_ARRAY_COUNTS"] = n.counts
+        if n.summary:
+            env["GPU_MON_ARRAY_SUMMARY"] = n.summary
     return env
 
 

@@ -67,6 +67,11 @@ class Job:
     after_arrays: Tuple[int, ...] = ()  # --after a whole array: every element of these must be done
     notify: Tuple[str, ...] = ()  # --notify: the command run as the user when it ends (an array: its last)
     notify_each: bool = False  # an array's elements notify each
+    # --after afterany:/afternotok: (`after` and `after_arrays` are afterok's): jobs, and whole arrays
+    after_any: Tuple[int, ...] = ()  # ended, whatever the end
+    after_any_arrays: Tuple[int, ...] = ()
+    after_notok: Tuple[int, ...] = ()  # ended without success (failed, cancelled, preempted, timeout)
+    after_notok_arrays: Tuple[int, ...] = ()
 
     @property
     def env_dict(self) -> Dict[str, str]:
@@ -159,6 +164,14 @@ def indices_of(cls: Type[Job]) -> Optional[Sequence[int]]:
     return index.indices if isinstance(index, _Index) else None
 
 
+def holds_own(job: Job, name: str) -> bool:
+    """Whether the job holds its own value of a field, not its array's class's (an element changed since
+    its submit, in that field; a job not in an array holds every one)."""
+    if getattr(type(job), "_as_submitted", None) is None:
+        return True
+    return name in getattr(job, "__dict__", {})
+
+
 def values_of(job: Job) -> Dict[str, object]:
     """Every field of a job (what array_class takes)."""
     return dict(zip(FIELDS, _values(job)))
@@ -192,6 +205,28 @@ def _made(self: Job, **fields: object) -> None:
 
 
 _NONE = object()
+
+
+DEPENDENCIES = (
+    "after",
+    "after_arrays",
+    "after_any",
+    "after_any_arrays",
+    "after_notok",
+    "after_notok_arrays",
+)
+
+
+def depends(job: Job) -> bool:
+    """Whether it waits for other jobs (--after)."""
+    return bool(
+        job.after
+        or job.after_arrays
+        or job.after_any
+        or job.after_any_arrays
+        or job.after_notok
+        or job.after_notok_arrays
+    )
 
 
 def element(cls: Type[Job], job_id: int) -> Job:

@@ -20,11 +20,12 @@ import heapq
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from gpu_mon.config import QueueSection
 from gpu_mon.policy.decisions import Reason
 from gpu_mon.queue import jobs as J
+from gpu_mon.queue.afterspec import AFTERANY, AFTERNOTOK, AFTEROK
 from gpu_mon.queue.jobs import Job
 
 FAILED_DEPENDENCY = (J.FAILED, J.CANCELLED, J.PREEMPTED, J.TIMEOUT)
@@ -84,11 +85,14 @@ class TimeUp:
 
 @dataclass(frozen=True)
 class CancelJob:
-    """One of its --after jobs ended without success (or does not exist)."""
+    """One of its --after dependencies can never be met: an afterok job ended without success, an
+    afternotok job (or every element of an afternotok array) is done, or a job named does not exist."""
 
     job: int
     after: int
     after_state: str  # "" when that job does not exist
+    kind: str = AFTEROK  # afterok, afterany or afternotok
+    array: int = 0  # the array the dependency names whole (then `after` is its element that decided)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Waiting:
     limit: int = 0
     until: Optional[float] = None
     starting: int = 0
+    after_kind: str = ""  # (kind after) afterany or afternotok; "" for afterok
 
 
 @dataclass(frozen=True)
@@ -210,48 +215,87 @@ def _running(
 @dataclass(frozen=True)
 class _ArrayEnd:
     """How far an array is, for the jobs that wait for all of it: an element that ended without success
-    (its id and state), or one not done yet."""
+    (its id and state), one not done yet, one not ended yet."""
 
     failed: Optional[Job] = None
     not_done: Optional[Job] = None
+    not_ended: Optional[Job] = None
 
 
-def _arrays(jobs: Sequence[Job], wanted: set) -> Dict[int, _ArrayEnd]:
+_NOTHING_YET = _ArrayEnd()
+
+
+def _arrays(jobs: Iterable[Job], wanted: set) -> Dict[int, _ArrayEnd]:
     """The arrays that some job waits for, each judged once (not once per waiting element)."""
     out: Dict[int, _ArrayEnd] = {}
     for j in jobs:
         if j.array_id not in wanted:
             continue
-        now = out.get(j.array_id, _ArrayEnd())
-        if now.failed is None and j.state in FAILED_DEPENDENCY:
-            out[j.array_id] = _ArrayEnd(j, now.not_done)
-        elif now.not_done is None and j.state != J.DONE:
-            out[j.array_id] = _ArrayEnd(now.failed, j)
-        else:
-            out.setdefault(j.array_id, now)
+        now = out.get(j.array_id, _NOTHING_YET)
+        state = j.state
+        failed = now.failed if now.failed is not None or state not in FAILED_DEPENDENCY else j
+        not_done = now.not_done if now.not_done is not None or state == J.DONE else j
+        not_ended = now.not_ended if now.not_ended is not None or state in J.ENDED else j
+        changed = failed is not now.failed or not_done is not now.not_done or not_ended is not now.not_ended
+        if now is _NOTHING_YET or changed:  # (identity: a Job's == compares every field)
+            out[j.array_id] = _ArrayEnd(failed, not_done, not_ended)
     return out
+
+
+def _job_kinds(job: Job) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """The jobs it waits for, by kind."""
+    return (AFTEROK, job.after), (AFTERANY, job.after_any), (AFTERNOTOK, job.after_notok)
+
+
+def _array_kinds(job: Job) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """The whole arrays it waits for, by kind."""
+    return (AFTEROK, job.after_arrays), (AFTERANY, job.after_any_arrays), (AFTERNOTOK, job.after_notok_arrays)
+
+
+def _unmet(job: Job, by_id: Mapping[int, Job], arrays: Dict[int, _ArrayEnd]) -> Optional[CancelJob]:
+    """The first of its dependencies that can never be met, or None."""
+    for kind, ids in _job_kinds(job):
+        for dep_id in ids:
+            dep = by_id.get(dep_id)
+            never = (J.DONE,) if kind == AFTERNOTOK else () if kind == AFTERANY else FAILED_DEPENDENCY
+            if dep is None or dep.state in never:
+                return CancelJob(job.id, dep_id, dep.state if dep else "", kind)
+    for kind, ids in _array_kinds(job):
+        for array_id in ids:
+            end = arrays.get(array_id)
+            if end is None:
+                return CancelJob(job.id, array_id, "", kind, array_id)
+            if kind == AFTEROK and end.failed is not None:
+                return CancelJob(job.id, end.failed.id, end.failed.state, kind, array_id)
+            if kind == AFTERNOTOK and end.not_done is None:  # (every element done)
+                return CancelJob(job.id, array_id, J.DONE, kind, array_id)
+    return None
 
 
 def _dependency(
     job: Job, by_id: Dict[int, Job], arrays: Dict[int, _ArrayEnd]
 ) -> Tuple[Optional[CancelJob], Optional[Waiting]]:
-    for dep_id in job.after:
-        dep = by_id.get(dep_id)
-        if dep is None or dep.state in FAILED_DEPENDENCY:
-            return CancelJob(job.id, dep_id, dep.state if dep else ""), None
-    for array_id in job.after_arrays:
-        end = arrays.get(array_id)
-        if end is None:
-            return CancelJob(job.id, array_id, ""), None
-        if end.failed is not None:
-            return CancelJob(job.id, end.failed.id, end.failed.state), None
-    for dep_id in job.after:
-        if by_id[dep_id].state != J.DONE:
-            return None, Waiting("after", after=J.ref(by_id[dep_id]))
-    for array_id in job.after_arrays:
-        if arrays[array_id].not_done is not None:
-            return None, Waiting("after", after=str(array_id))
+    cancel = _unmet(job, by_id, arrays)
+    if cancel is not None:
+        return cancel, None
+    for kind, ids in _job_kinds(job):
+        for dep_id in ids:
+            dep = by_id[dep_id]
+            if (dep.state != J.DONE) if kind == AFTEROK else (dep.state not in J.ENDED):
+                return None, Waiting("after", after=J.ref(dep), after_kind="" if kind == AFTEROK else kind)
+    for kind, ids in _array_kinds(job):
+        for array_id in ids:
+            end = arrays[array_id]
+            if (end.not_done if kind == AFTEROK else end.not_ended) is not None:
+                return None, Waiting("after", after=str(array_id), after_kind="" if kind == AFTEROK else kind)
     return None, None
+
+
+def never_met(job: Job, by_id: Mapping[int, Job], elements: Iterable[Job]) -> Optional[CancelJob]:
+    """Whether a job's dependencies can never be met, as the jobs are now (a submit's, an update's check):
+    `by_id` every job, `elements` those of the arrays it names."""
+    wanted = {*job.after_arrays, *job.after_any_arrays, *job.after_notok_arrays}
+    return _unmet(job, by_id, _arrays(elements, wanted) if wanted else {})
 
 
 _BY_ID, _BY_PRIORITY = operator.attrgetter("id"), operator.attrgetter("priority")
@@ -484,9 +528,9 @@ def _sort(jobs: Sequence[Job]) -> _Sorted:
     for j in jobs:
         state = j.state
         if state in waits:
-            if j.after or j.after_arrays:
+            if J.depends(j):
                 out.dependent.append(j)
-                out.wanted.update(j.after_arrays)
+                out.wanted.update((*j.after_arrays, *j.after_any_arrays, *j.after_notok_arrays))
             elif state == J.QUEUED:
                 out.free.append(j)
         elif state in J.LIVE:
@@ -509,7 +553,7 @@ def _dependencies(
     waiting: Dict[int, Waiting] = {}
     verdicts: Dict[tuple, Tuple[Optional[CancelJob], Optional[Waiting]]] = {}
     for j in s.dependent:
-        key = (j.after, j.after_arrays)
+        key = tuple(getattr(j, name) for name in J.DEPENDENCIES)
         verdict = verdicts.get(key)
         if verdict is None:
             verdict = verdicts[key] = _dependency(j, by_id, arrays)
@@ -521,3 +565,14 @@ def _dependencies(
         elif j.state == J.QUEUED:
             cands.append(j)
     return cands, cancels, waiting
+
+
+def users_in_order(jobs: Sequence[Job], q: QueueSection, wall: float) -> Tuple[List[str], Dict[str, float]]:
+    """`gpu-mon share`'s view of the order `place` follows: the users with queued jobs, in the order their
+    next job would take GPUs ([queue] order: fair or fifo), and every user's GPU-seconds over the fair
+    window (running jobs' included)."""
+    s = _sort(jobs)
+    users = _users(s.live, s.used, wall, q.fair_window_hours * 3600)
+    queued = [j for j in jobs if j.state == J.QUEUED]
+    order = list(dict.fromkeys(j.user for j in _order(queued, users, q.order == "fair")))
+    return order, {u: seconds for u, seconds in users.usage.items() if seconds > 0}

@@ -21,16 +21,17 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tupl
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
-from gpu_mon.queue import arrays, fields, show, submitcheck
+from gpu_mon.queue import afterspec, arrays, fields, share, show, submitcheck, timelimits, update
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, run_seconds
-from gpu_mon.queue.placement import Waiting, never_fits
+from gpu_mon.queue.placement import Waiting, never_fits, never_met
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
 from gpu_mon.queue.store import MIB, Drained, Limits, Refused, Store
+from gpu_mon.queue.words import never_met as waiting_words_never_met
 from gpu_mon.queue.words import refusal
 from gpu_mon.queue.words import waiting as waiting_words
 
@@ -118,6 +119,8 @@ class Requests:
             "ids": self._ids,
             "queue": self._queue,
             "show": self._show,
+            "update": self._update,
+            "share": self._share,
         }.get(op if isinstance(op, str) else "")
         if handler is None:
             return {"ok": False, "error": f"unknown request {sanitize(str(op))[:40]!r}", "code": 2}
@@ -185,17 +188,13 @@ class Requests:
         grace = _seconds(req, "grace", q.grace_seconds, "--grace")
         if grace > q.max_grace_seconds:
             raise Bad(f"--grace {grace:g} is over the limit of {q.max_grace_seconds:g} s", 1)
-        after, after_arrays = self._after(req.get("after") or [])
+        after = self._after(req.get("after") or [])
         output = fields.text(req, "output", "--output", fields.MAX_PATH)
         if output and not os.path.isabs(output):
             raise Bad("--output must be an absolute path")
-        limit = req.get("time_limit")
-        if limit is not None:
-            limit = _seconds(req, "time_limit", 0.0, "--time-limit")
-            if limit <= 0:
-                raise Bad("--time-limit must be more than 0")
+        limit = self._time_limit(req)
         top = fields.MAX_PRIORITY
-        return Job(
+        job = Job(
             id=0,
             user=user.pw_name,
             uid=user.pw_uid,
@@ -208,8 +207,7 @@ class Requests:
             name=name,
             gpus_wanted=gpus,
             priority=fields.whole(req, "priority", "--priority", 0, -top, top),
-            after=after,
-            after_arrays=after_arrays,
+            **after,
             notify=self._notify(req),
             notify_each=fields.flag(req, "notify_each", False),
             stop_signal=fields.stop_signal(req.get("stop_signal", "SIGTERM")),
@@ -219,26 +217,56 @@ class Requests:
             requeue=fields.flag(req, "requeue", True),
             state=J.HELD if fields.flag(req, "hold", False) else J.QUEUED,
         )
+        if J.depends(job):
+            self._never_met(job)
+        return job
 
-    def _after(self, refs: object) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """--after's jobs and whole arrays (`17`: every element of array 17; `17_5`: one element)."""
-        if not isinstance(refs, list) or len(refs) > 1000:
-            raise Bad("--after takes job ids (at most 1000)")
-        jobs: List[int] = []
-        whole: List[int] = []
-        for ref in refs:
+    def _after(self, refs: object) -> Dict[str, Tuple[int, ...]]:
+        """--after's jobs and whole arrays by kind (afterspec.py: `17`: every element of array 17; `17_5`:
+        one element), as Job's fields (J.DEPENDENCIES); Bad for a job that does not exist."""
+        if not isinstance(refs, list) or len(refs) > afterspec.MAX_REFS:
+            raise Bad(f"--after takes job ids (at most {afterspec.MAX_REFS})")
+        out: Dict[str, List[int]] = {name: [] for name in J.DEPENDENCIES}
+        for item in refs:
             try:
+                kind, ref = afterspec.split(item)
                 job_id, index = _ref(ref)
-            except Bad as err:
-                raise Bad(f"--after: {err}") from None
+            except (Bad, ValueError) as err:
+                raise Bad(f"--after: {err}".replace("--after: --after: ", "--after: ")) from None
+            field = "after" if kind == afterspec.AFTEROK else f"after_{kind[5:]}"
             if index is None and job_id in self.store.arrays:
-                whole.append(job_id)
+                out[f"{field}_arrays"].append(job_id)
                 continue
             job = self.store.get(job_id) if index is None else self.store.element(job_id, index)
             if job is None:
                 raise Bad(f"--after {_ref_text(ref)}: no such job")
-            jobs.append(job.id)
-        return tuple(dict.fromkeys(jobs)), tuple(dict.fromkeys(whole))
+            out[field].append(job.id)
+        return {name: tuple(dict.fromkeys(ids)) for name, ids in out.items()}
+
+    def _never_met(self, job: Job) -> None:
+        """Bad (one line) when one of its dependencies can never be met as the jobs are now (an afterok on
+        a job that failed or was cancelled, an afternotok on one done): sbatch refuses such a job too."""
+        arrays = (*job.after_arrays, *job.after_any_arrays, *job.after_notok_arrays)
+        elements = [e for a in dict.fromkeys(arrays) for e in self.store.elements(a)]
+        named = (self.store.get(i) for i in (*job.after, *job.after_any, *job.after_notok))
+        never = never_met(job, {j.id: j for j in named if j is not None}, elements)
+        if never is not None:
+            why = waiting_words_never_met(never, self._named)
+            raise Bad(f"--after {why.replace(' (', ' can never be met (', 1)}", 1)
+
+    def _named(self, job_id: int) -> str:
+        job = self.store.get(job_id)
+        return J.ref(job) if job is not None else str(job_id)
+
+    def _time_limit(self, req: dict) -> Optional[float]:
+        """--time-limit (seconds), within [queue] max_time_limit; [queue] default_time_limit without one."""
+        limit = req.get("time_limit")
+        if limit is None:
+            return self.queue.default_time_limit
+        limit = _seconds(req, "time_limit", 0.0, "--time-limit")
+        if limit <= 0:
+            raise Bad("--time-limit must be more than 0")
+        return timelimits.within_max(limit, self.queue)
 
     def _notify(self, req: dict) -> Tuple[str, ...]:
         """--notify CMD (run by /bin/sh as the user), or none."""
@@ -547,6 +575,45 @@ class Requests:
         view, now = self.view(), time.time()
         described = partial(describe, view=view, now=now, whole=True)
         return show.shown(found, peer.uid, described, output_of, self.store.runs_of, self.live)
+
+    def _update(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`gpu-mon update`: the change update.py reads, checked as a submit checks it, made to each job
+        named that the asker may change (an array named whole: its queued and held elements)."""
+        ids = req.get("ids")
+        if not isinstance(ids, list) or not ids or len(ids) > 10000:
+            raise Bad("update: no job ids given")
+        change = update.asked(req, self.queue, self._after, self._could_start)
+        results: List[dict] = []
+        for ref in ids:
+            try:
+                found = self._targets(peer, ref)
+                whole = _ref(ref)[1] is None and found[0].array_id == _ref(ref)[0]
+                self._may_update(peer, found if whole else found[:1], change)
+                edit = partial(update.changed, change=change, waiting_only=whole)
+                results.append(self._apply(ref, found, edit) if whole else self._one(ref, found[0], edit))
+            except Bad as err:
+                results.append({"id": ref, "ok": False, "error": str(err), "code": err.code})
+        self.changed()
+        return {"results": results}
+
+    def _may_update(self, peer: Peer, found: List[Job], change: update.Change) -> None:
+        """Bad when the change may not be made to these jobs: a plain user raising a priority; an --after
+        that can never be met, or that would wait for the job itself."""
+        waiting = [j for j in found if j.state in (J.QUEUED, J.HELD)]
+        update.allowed(waiting or found, change, _admin(peer))
+        if change.after is None or not waiting:
+            return
+        self._never_met(dataclasses.replace(waiting[0], **change.after))
+        for j in waiting if len(waiting) < 1000 else waiting[:1] + waiting[-1:]:
+            looped = update.cycle(j, change.after, self.store.get, self.store.elements)
+            if looped is not None:
+                through = self._named(looped)
+                raise Bad(f"--after: job {J.ref(j)} would wait for itself (through job {through})", 1)
+
+    def _share(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
+        """`gpu-mon share`: share.py's table (a plain user: only their own line under share_public = no)."""
+        everyone = _admin(peer) or self.queue.share_public
+        return share.table(self.store.all(), self.queue, time.time(), None if everyone else user.pw_name)
 
     def _logs_path(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         job = self._mine(peer, user, req.get("id"))

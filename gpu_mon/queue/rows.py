@@ -3,7 +3,8 @@
 An array's elements are submitted alike but for their index: the `arrays` row, under the array's id,
 holds every field of the array as submitted, and an element's row only `{"array_id":A,"array_index":I}`
 until it changes; from then on its row holds what may change (state, times, ...), never what every
-element keeps alike (SHARED: command, directory, environment, ...). Read back, an element's values are
+element keeps alike (SHARED: command, directory, environment, ...) unless `gpu-mon update` changed it for
+that element (its name, its --after: then its row holds its own). Read back, an element's values are
 its row's over its array's, and the elements share one copy of the array's in memory (jobs.array_class).
 A row that holds its own copy (an older gpu-mon wrote every element whole, or its row whole but SHARED)
 is read as it is.
@@ -18,9 +19,9 @@ from typing import Dict, Mapping, Sequence, Tuple, Type
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 
-TUPLES = ("command", "after", "gpus", "after_arrays", "notify")
+TUPLES = ("command", "gpus", "notify", *J.DEPENDENCIES)
 # What every element of an array has alike (never changed after the submit), stored once per array
-SHARED = ("command", "cwd", "env", "name", "output", "notify", "after", "after_arrays")
+SHARED = ("command", "cwd", "env", "name", "output", "notify", *J.DEPENDENCIES)
 _KNOWN = frozenset(f.name for f in dataclasses.fields(Job))
 
 
@@ -41,7 +42,8 @@ def to_row(job: Job, shared: bool = False) -> str:
     data = _data(job)
     if shared:
         for key in SHARED:
-            data.pop(key)
+            if not J.holds_own(job, key):  # (`gpu-mon update` changed its name or --after: kept)
+                data.pop(key)
     return _dumps(data)
 
 

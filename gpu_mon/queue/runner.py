@@ -46,6 +46,7 @@ from gpu_mon.queue.runs import JobRun, QueueReport, Runs
 from gpu_mon.queue.server import Server
 from gpu_mon.queue.show import Live
 from gpu_mon.queue.store import Store
+from gpu_mon.queue.words import never_met as _never_met_words
 
 log = logging.getLogger("gpu_mon")
 
@@ -529,11 +530,9 @@ class Queue:
 
     def _dependencies(self, plan: placement.Placement, wall: float) -> None:
         for c in plan.cancels:
-            dep = self._ref(c.after)
-            what = f"job {dep} {c.after_state}" if c.after_state else f"job {dep} does not exist"
-            reason = f"after {what}"
+            reason = f"dependency never met: {_never_met_words(c, self._ref)}"
             if self.store.change(c.job, lambda j, r=reason: _cancel_queued(j, wall, r)) is not None:
-                log.info("queue: job %s cancelled: after %s", self._ref(c.job), what)
+                log.info("queue: job %s cancelled: %s", self._ref(c.job), reason)
 
         if plan.time_up:
             self.dirty = True  # stop them in the next round (it comes at once)

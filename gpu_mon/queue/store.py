@@ -512,8 +512,8 @@ class Store:
         """What unfinished jobs still need kept: the jobs they wait on (`--after`); the arrays they wait on,
         and those they belong to."""
         live = [j for j in self.jobs.values() if j.state not in J.ENDED]
-        needed = {a for j in live for a in j.after}
-        arrays = {a for j in live for a in j.after_arrays}
+        needed = {a for j in live for a in (*j.after, *j.after_any, *j.after_notok)}
+        arrays = {a for j in live for a in (*j.after_arrays, *j.after_any_arrays, *j.after_notok_arrays)}
         arrays.update(j.array_id for j in live if j.array_id)
         return needed, arrays
 

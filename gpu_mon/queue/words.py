@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Callable, Dict
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.policy import words
-from gpu_mon.queue.placement import Waiting
+from gpu_mon.queue.afterspec import AFTERANY, AFTERNOTOK
+from gpu_mon.queue.placement import CancelJob, Waiting
+
+_AFTER = {AFTERANY: " ends (afterany)", AFTERNOTOK: " ends without success (afternotok)"}
 
 
 def _gpu(uuid: str, index_of: Dict[str, int]) -> str:
@@ -24,7 +27,7 @@ def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
     if w.kind == "busy":
         return f"{_gpu(w.gpu, index_of)} busy: {words.reason(w.reason) if w.reason else 'unsure'}"
     if w.kind == "after":
-        return f"after job {w.after}"
+        return f"after job {w.after}{_AFTER.get(w.after_kind, '')}"
     if w.kind == "running_limit":
         return f"{sanitize(user)} has {_running(w.count, w.starting)} (limit {w.limit})"
     if w.kind == "gpu_limit":
@@ -71,3 +74,17 @@ def drained(by: str, at: float) -> str:
     today = time.strftime("%Y-%m-%d") == time.strftime("%Y-%m-%d", time.localtime(at))
     clock = time.strftime("%H:%M" if today else "%Y-%m-%d %H:%M", time.localtime(at))
     return f"queue drained by {sanitize(by)} at {clock}: no job starts (gpu-mon queue resume)"
+
+
+def never_met(c: CancelJob, ref: Callable[[int], str]) -> str:
+    """A dependency that can never be met, and why: `afterok:17 (job 17 failed)`, `afterok:20 (job 20_3
+    cancelled)`, `afternotok:20 (every element of array 20 done)`, `afterany:9 (job 9 does not exist)`.
+    ref: a job's number as users name it."""
+    named = str(c.array) if c.array else ref(c.after)
+    if not c.after_state:
+        what = f"{'array' if c.array else 'job'} {named} does not exist"
+    elif c.array and c.kind == AFTERNOTOK:
+        what = f"every element of array {c.array} done"
+    else:
+        what = f"job {ref(c.after)} {c.after_state}"
+    return f"{c.kind}:{named} ({what})"
