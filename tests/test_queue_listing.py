@@ -13,10 +13,18 @@ import pytest
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import LIST_COMMAND, LIST_REASON, Listing, command_json, elapsed, listed_reason
+from gpu_mon.queue.listing import (
+    LIST_COMMAND,
+    LIST_REASON,
+    Listing,
+    command_json,
+    elapsed,
+    iso,
+    listed_reason,
+)
 from gpu_mon.queue.placement import Waiting
 from gpu_mon.queue.protocol import _join
-from gpu_mon.queue.requests import Peer, Requests, View, _described, describe, shared_of
+from gpu_mon.queue.requests import Peer, Requests, View, _described, describe, estimate, shared_of
 from gpu_mon.queue.store import Store
 
 
@@ -61,6 +69,21 @@ def test_each_job_reads_back_as_its_description_and_changes_are_seen():
     fresh = J.released(moved)
     listing.prepare(fresh)  # its fixed pieces made ahead: the first listing adds the reason
     assert json.loads(listing.encoded(fresh, "waiting: x", ())) == _described(fresh, "waiting: x", ())
+
+
+def test_a_queued_jobs_estimated_start_is_in_its_description_and_listing_and_follows_the_placement():
+    listing, queued, held = Listing(), job(), J.held(job(id=11))
+    running = J.started(job(id=8), ("GPU-a",), 1.7e9 + 60, 1, 1)
+    view = View(waiting={7: Waiting("ahead", count=1)}, placed_up_to=20, estimates={7: 1.7e9 + 90, 8: 1.0})
+    for j, want in ((queued, iso(1.7e9 + 90)), (running, None), (held, None)):
+        described = describe(j, view, 1.7e9)
+        assert described["estimated_start"] == want  # (only a queued job has one)
+        got = json.loads(listing.encoded(j, described["reason"], (), start=estimate(j, view)))
+        assert got == described | {"gpu_indices": []}
+    later = View(waiting=view.waiting, placed_up_to=20, estimates={7: 1.7e9 + 150})
+    got = json.loads(listing.encoded(queued, describe(queued, later, 1.7e9)["reason"], (), start=1.7e9 + 150))
+    assert got["estimated_start"] == iso(1.7e9 + 150)  # (kept pieces, the new estimate)
+    assert describe(queued, View(), 1.7e9)["estimated_start"] is None  # unknown
 
 
 def test_a_run_starts_without_the_last_runs_exit_and_an_ended_job_says_how_long_it_ran():

@@ -263,3 +263,88 @@ def test_the_yield_path_part_sees_only_running_jobs():
     s = stops([running, over, job(3)], (GpuView(G0, True, BOB), free(G1)), NOW, WALL)
     assert s.preempt_jobs == (PreemptJob(1, G0, BOB),) and s.time_up == (TimeUp(2),)
     assert s.starts == () and s.waiting == {}
+
+
+# ---------------------------------------------------------------- the head's reservation (backfill)
+
+A_RUNS = job(1, "alice", state=J.RUNNING, gpus=(G0,), started=WALL - 1)  # one GPU, no time limit
+
+
+def test_the_head_keeps_a_gpu_that_frees_from_a_stream_of_one_gpu_jobs_in_fair_order():
+    # The case: alice streams one-GPU jobs; carol, first in the fair order, wants both GPUs. G1
+    # freed: it is kept for carol, not handed to alice's next job.
+    used = job(9, "alice", state=J.DONE, gpu_seconds=600.0, ended=WALL - 5)
+    p = run([used, A_RUNS, job(2, "alice"), job(3, "carol", gpus_wanted=2)], (free(G0), free(G1)))
+    assert p.starts == ()
+    assert p.waiting[3] == Waiting("taken", gpu=G0, by_job="1")
+    assert p.waiting[2] == Waiting("kept", gpu=G1, by_job="3")
+    assert waiting(p.waiting[2], "alice", {G0: 0, G1: 1}, NOW) == "waiting: GPU 1 kept for job 3"
+    assert p.reservation is not None and p.reservation.job == 3
+    assert set(p.reservation.gpus) == {G0, G1} and p.reservation.start is None  # (alice's job: no limit)
+    assert p.kept == {G1: 3} and p.claimed == {G0: 1}
+    assert 3 not in p.estimates and 2 not in p.estimates  # unknown: the job ahead has no time limit
+    # alice's job ends: carol's starts on both
+    p = run([used, job(2, "alice"), job(3, "carol", gpus_wanted=2)], (free(G0), free(G1)))
+    assert p.starts == (StartJob(3, (G0, G1)),) and p.waiting[2] == Waiting("taken", gpu=G0, by_job="3")
+
+
+def test_fifo_reserves_for_the_first_submitted_and_fair_for_the_first_in_fair_order():
+    used = job(9, "alice", state=J.DONE, gpu_seconds=600.0, ended=WALL - 5)
+    jobs = [used, A_RUNS, job(2, "alice"), job(3, "carol", gpus_wanted=2)]
+    fifo = run(jobs, (free(G0), free(G1)), order="fifo")
+    assert fifo.starts == (StartJob(2, (G1,)),)  # alice's job 2 is first: it is not kept from anything
+    assert fifo.reservation is not None and fifo.reservation.job == 3 and fifo.kept == {}
+    fair = run(jobs, (free(G0), free(G1)), order="fair")
+    assert fair.starts == () and fair.kept == {G1: 3}
+    # fifo with carol's job first: kept for her
+    jobs = [used, A_RUNS, job(2, "carol", gpus_wanted=2), job(3, "alice")]
+    fifo = run(jobs, (free(G0), free(G1)), order="fifo")
+    assert fifo.starts == () and fifo.waiting[3] == Waiting("kept", gpu=G1, by_job="2")
+
+
+def test_a_later_job_backfills_a_kept_gpu_only_when_its_time_limit_ends_before_the_reserved_start():
+    limited = dataclasses.replace(A_RUNS, started=WALL - 10, time_limit=100.0)  # ends at WALL + 90
+    head = job(2, "carol", gpus_wanted=2, time_limit=60.0)
+    for delay in (0.0, 5.0):  # (a GPU is ready for the head the start delay after the job on it ends)
+        gpus = (free(G0, since=NOW - 10), free(G1, since=NOW - 10))
+        short = run([limited, head, job(3, "bob", time_limit=90.0)], gpus, delay, order="fifo")
+        assert short.reservation is not None and short.reservation.start == WALL + 90 + delay
+        assert short.starts == (StartJob(3, (G1,)),) and short.kept == {G1: 2}
+        assert short.estimates[2] == WALL + 90 + delay
+        long = run([limited, head, job(3, "bob", time_limit=91.0)], gpus, delay, order="fifo")
+        assert long.starts == () and long.waiting[3] == Waiting("kept", gpu=G1, by_job="2")
+        assert long.estimates[3] == WALL + 90 + delay + 60 + delay  # (behind the head, after its limit)
+        unlimited = run([limited, head, job(3, "bob")], gpus, delay, order="fifo")
+        assert unlimited.starts == () and unlimited.waiting[3].kind == "kept"
+
+
+def test_estimates_follow_the_time_limits_of_the_jobs_ahead():
+    limited = dataclasses.replace(A_RUNS, started=WALL - 10, time_limit=100.0)  # G0 ready at WALL + 90
+    other = job(5, "dave", state=J.RUNNING, gpus=(G1,), started=WALL, time_limit=30.0)  # G1 at WALL + 30
+    jobs = [limited, other, job(2, "carol", gpus_wanted=2, time_limit=60.0), job(3, "bob"), job(4, "bob")]
+    p = run(jobs, (free(G0), free(G1)), order="fifo")
+    assert p.reservation is not None and p.reservation.start == WALL + 90
+    assert p.estimates == {2: WALL + 90, 3: WALL + 150, 4: WALL + 150}  # (after carol's 60 s, on both)
+    assert p.waiting[3] == Waiting("ahead", count=1)
+
+
+def test_a_gpu_busy_with_a_foreign_user_is_not_ours_to_promise_no_reservation_keeps_the_other():
+    gpus = (free(G0), GpuView(G1, True, BOB))
+    p = run([job(2, "carol", gpus_wanted=2), job(3, "alice")], gpus, order="fifo")
+    assert p.reservation is None and p.kept == {}
+    assert p.waiting[2] == Waiting("busy", gpu=G1, reason=BOB)
+    assert p.starts == (StartJob(3, (G0,)),)
+    # nor a workload's GPU the queue may not stop
+    gpus = (free(G0), free(G1, workload="miner"))
+    p = run([job(2, "carol", gpus_wanted=2), job(3, "alice")], gpus, order="fifo", preempt_workloads=False)
+    assert p.reservation is None and p.starts == (StartJob(3, (G0,)),)
+
+
+def test_a_job_held_by_its_own_limit_or_dependency_is_not_the_head():
+    running = job(1, "carol", state=J.RUNNING, gpus=(G0,), started=WALL)
+    jobs = [running, job(2, "carol", gpus_wanted=2), job(3, "alice")]
+    p = run(jobs, (free(G0), free(G1)), order="fifo", max_running_per_user=1)
+    assert p.waiting[2].kind == "running_limit" and p.starts == (StartJob(3, (G1,)),)
+    jobs = [running, job(2, "bob", gpus_wanted=2, after=(1,)), job(3, "alice")]
+    p = run(jobs, (free(G0), free(G1)), order="fifo")
+    assert p.waiting[2].kind == "after" and p.starts == (StartJob(3, (G1,)),) and p.reservation is None

@@ -446,6 +446,8 @@ def _row(j: dict, today: Optional[str] = None, arrays: Optional[Dict[str, dict]]
         why = words.exit_status(int(j["exit_status"]), j.get("signal") or 0)
     if j["state"] in (J.DONE, J.FAILED) and j.get("exit_status") is None and j.get("count") and not why:
         why = "their exit statuses differ (jobs --expand)"
+    if j["state"] == J.QUEUED and j.get("estimated_start") and "starting in" not in why:
+        why = f"{why} (estimated start {_end(j['estimated_start'], time.strftime('%Y-%m-%d'))})"
     if j.get("preempted") and j["state"] in (J.QUEUED, J.HELD, J.PREEMPTED, *J.LIVE):
         last = f"last preempted at {j['preempted'][11:19]}: {j.get('preempted_reason') or '?'}"
         why = f"{why} ({last})" if why else last

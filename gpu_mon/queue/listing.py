@@ -8,9 +8,9 @@ LIST_REASON characters (one that names a long path: a job that could not open it
 unless the request names its jobs (`whole`).
 
 Each job's JSON is kept in three fixed pieces around the two that change without the job changing (its
-waiting reason, from the last placement, and its GPUs' indices). A Job is a new object whenever it
-changes, so `is` tells whether the pieces are still good. Strings are encoded as json.dumps does
-(ensure_ascii), so the object reads back the same.
+waiting reason, from the last placement, and its GPUs' indices with its estimated start). A Job is a new
+object whenever it changes, so `is` tells whether the pieces are still good. Strings are encoded as
+json.dumps does (ensure_ascii), so the object reads back the same.
 
 What is kept is bounded: a job whose JSON is over KEEP_ONE bytes (a long reason: a path of 4096 bytes, each
 escaped to as many as 6) is encoded again for each listing, never kept, and no more is kept once KEEP_ALL
@@ -160,26 +160,31 @@ class Listing:
     """Each job's encoded JSON, kept between listings (one thread uses it: the socket server's)."""
 
     def __init__(self) -> None:
-        # job id -> (the job, its reason and indices when last encoded, its three pieces, the whole)
+        # job id -> (the job, its reason and (indices, estimated start) when last encoded, its three
+        # pieces, the whole)
         self._kept: Dict[int, tuple] = {}
         self.kept_bytes = 0  # of the pieces and wholes kept, and of the arrays' shared values
         self._arrays: Dict[int, bytes] = {}  # array id -> what its elements share (at most LIST_COMMAND + 40)
 
-    def encoded(self, j: Job, reason: str, indices: tuple, whole: bool = False) -> bytes:
-        """The job's JSON object, as bytes; `whole`: its command whole (made afresh when it may be cut)."""
+    def encoded(
+        self, j: Job, reason: str, indices: tuple, whole: bool = False, start: Optional[float] = None
+    ) -> bytes:
+        """The job's JSON object, as bytes; `whole`: its command whole (made afresh when it may be cut);
+        `start`: its estimated start (a queued job's, from the last placement)."""
         if whole and _may_be_cut(j):
             head, gpus, tail = _pieces(j, whole=True)
-            return b"".join((head, _string(reason).encode(), gpus, _indices(indices), tail))
+            return b"".join((head, _string(reason).encode(), gpus, _indices(indices, start), tail))
         kept = self._kept.get(j.id)
+        changing = (indices, start)
         if kept is not None and kept[0] is j:
-            if kept[1] == reason and kept[2] == indices:
+            if kept[1] == reason and kept[2] == changing:
                 return kept[4]
             pieces = kept[3]
         else:
             pieces = _pieces(j)
         head, gpus, tail = pieces
-        made = b"".join((head, _string(reason).encode(), gpus, _indices(indices), tail))
-        self._keep(j, (j, reason, indices, pieces, made))
+        made = b"".join((head, _string(reason).encode(), gpus, _indices(indices, start), tail))
+        self._keep(j, (j, reason, changing, pieces, made))
         return made
 
     def shared(self, j: Job, whole: bool = False) -> bytes:
@@ -223,8 +228,10 @@ class Listing:
         return len(self._kept)
 
 
-def _indices(indices: tuple) -> bytes:
-    return ("[" + ",".join("null" if i is None else str(i) for i in indices) + "]").encode()
+def _indices(indices: tuple, start: Optional[float]) -> bytes:
+    """The GPUs' indices, then the estimated start (the two pieces that change without the job)."""
+    shown = ",".join("null" if i is None else str(i) for i in indices)
+    return f'[{shown}],"estimated_start":{_time(start)}'.encode()
 
 
 def _size(entry: tuple) -> int:

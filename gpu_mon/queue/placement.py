@@ -9,8 +9,12 @@ that only holds the GPU's node must have held it for [queue] brief_open_seconds 
 let go by then stops nothing; anything else that makes the GPU busy stops the job at once); a job outranks a
 [process-*] workload (it takes the workload's GPU when `preempt_workloads`). Order: `fair` (fewest
 GPU-seconds over the window first, then priority, then submission) or `fifo` (priority, then submission);
-a job that cannot start does not keep a later one from starting on other GPUs. Cost: O(jobs * GPUs) plus a
-sort, never quadratic in the number of jobs.
+a job that cannot start does not keep a later one from starting on other GPUs, but the head of the order (the
+first job that waits for GPUs, not for a limit or a job of its own) is not starved: it gets a reservation
+(reservation.py), the GPUs it will have first, and a free one of them is kept for it; a later job may use a
+kept GPU only when its time limit ends before the reservation's start (Slurm's backfill). One reservation,
+the head's; the jobs behind it get an estimated start (the first reservation.ESTIMATED of them). Cost:
+O(jobs * GPUs) plus a sort, never quadratic in the number of jobs.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ import heapq
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from gpu_mon.config import QueueSection
 from gpu_mon.policy.decisions import Reason
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.afterspec import AFTERANY, AFTERNOTOK, AFTEROK
 from gpu_mon.queue.jobs import Job
+from gpu_mon.queue.reservation import ESTIMATED, NOT_OURS, OURS, UNKNOWN, Reservation, Timeline, fits_before
 
 FAILED_DEPENDENCY = (J.FAILED, J.CANCELLED, J.PREEMPTED, J.TIMEOUT)
 
@@ -112,7 +117,8 @@ class Waiting:
     (count), start_delay (until: wall-clock, as the jobs' times are),
     too_many_gpus (count: the queue's GPUs), over_job_limit / over_user_limit (count: GPUs wanted, limit:
     GPUs per job or per user; it can never start under these limits), drained (the admin drained the
-    queue: no job starts)."""
+    queue: no job starts), kept (gpu: free, but kept for by_job, the head of the order, and this job's
+    time limit does not end before that one's reserved start)."""
 
     kind: str
     gpu: str = ""
@@ -140,6 +146,9 @@ class Placement:
     next_wake: Optional[float] = None
     soon: Tuple[SoonJob, ...] = ()  # (next_wake counts them)
     other_wakes: Tuple[float, ...] = ()  # the wakes that are not the soon starts' (time limits)
+    reservation: Optional[Reservation] = None  # the head of the order's
+    kept: Dict[str, int] = field(default_factory=dict)  # free GPU -> the job it is kept for (reservation)
+    estimates: Dict[int, float] = field(default_factory=dict)  # queued job -> its estimated start (wall)
 
 
 @dataclass
@@ -340,15 +349,65 @@ class _Placer:
         self.soon: List[SoonJob] = []
         self.waiting_before = 0
         self.open: Optional[List[GpuView]] = None  # GPUs still open to jobs in this round
+        self.started_at: Dict[int, float] = {}  # this round's starts: when (wall-clock)
+        self.timeline: Optional[Timeline] = None  # (made for the head of the order)
+        self.reservation: Optional[Reservation] = None
+        self.kept: Dict[str, int] = {}
+        self.estimates: Dict[int, float] = {}
+        self.estimated = 0
 
     def place(self, job: Job) -> Optional[Waiting]:
         """Start it, or claim GPUs for it (a workload to stop, a start delay), or say why it waits."""
         wait = self._limits(job)
         if wait is None:
             wait = self._gpus_for(job)
-        if wait is not None and wait.kind in ("busy", "taken", "ahead"):
+        if wait is not None and wait.kind in ("busy", "taken", "ahead", "kept"):
             self.waiting_before += 1  # it waits for GPUs: the jobs after it are behind it
+            self._plan_ahead(job)
         return wait
+
+    def _plan_ahead(self, job: Job) -> None:
+        """A job waits for GPUs: the first one gets the reservation; each (up to ESTIMATED) an estimated
+        start, its GPUs booked on the timeline from then for the jobs behind it."""
+        if self.timeline is None:
+            self.timeline = Timeline(self._ready_times())
+            chosen = self.timeline.earliest(job.gpus_wanted)
+            if self.timeline.promised(chosen):  # (a foreign user's GPU is not ours to promise: none)
+                self.reservation = Reservation(job.id, tuple(chosen), self.timeline.start_on(chosen))
+                free = {g.uuid for g in self.open or ()} - self.claimed.keys()
+                self.kept = {u: job.id for u in chosen if u in free}
+        elif self.estimated >= ESTIMATED or self.timeline.all_unknown():
+            return
+        self.estimated += 1
+        chosen = self.timeline.earliest(job.gpus_wanted)
+        start = self.timeline.start_on(chosen)
+        if start is not None:
+            self.estimates[job.id] = start
+        self.timeline.book(chosen, start, job.time_limit, self.delay)
+
+    def _ready_times(self) -> Dict[str, Tuple[float, int]]:
+        """When each queue GPU is next ready for a job (wall-clock, its start delay over), and whether it is
+        ours to promise: free, or a job's of ours (its time limit's end; UNKNOWN without one)."""
+        out: Dict[str, Tuple[float, int]] = {}
+        for g in self.gpus:
+            owner = self.claimed.get(g.uuid)
+            if g.busy or (owner is None and g.workload and not self.q.preempt_workloads):
+                out[g.uuid] = (UNKNOWN, NOT_OURS)
+            elif owner is not None:
+                out[g.uuid] = (self._ready_after(self.by_id[owner]), OURS)
+            else:
+                since = g.free_since if g.free_since is not None else self.now
+                out[g.uuid] = (self.wall + max(0.0, since + self.delay - self.now), OURS)
+        return out
+
+    def _ready_after(self, job: Job) -> float:
+        """When a job's GPUs are ready for the next one: its time limit's end, then the start delay."""
+        start = self.started_at.get(job.id, job.started)
+        if job.state == J.STOPPING:
+            return self.wall + self.delay  # (it ends within its grace)
+        if job.time_limit is None or start is None:
+            return UNKNOWN
+        return max(self.wall, start + job.time_limit) + self.delay
 
     def _limits(self, job: Job) -> Optional[Waiting]:
         never = never_fits(job.gpus_wanted, len(self.gpus), self.q)
@@ -372,6 +431,10 @@ class _Placer:
             self.open = sorted(usable, key=lambda g: bool(g.workload))  # GPUs nobody of ours uses first
         usable = [g for g in self.open if g.uuid not in self.claimed]
         self.open = usable
+        if self.kept and len(usable) >= job.gpus_wanted:
+            usable = self._not_kept(job, usable)
+            if isinstance(usable, Waiting):
+                return usable
         if len(usable) < job.gpus_wanted:
             return self._why_not(job)
         chosen = usable[: job.gpus_wanted]
@@ -387,15 +450,43 @@ class _Placer:
                 if not g.workload_stopping:
                     self.preempt_workloads.append(PreemptWorkload(g.workload, job.id, g.uuid))
             self.users.starting[job.user] += 1
+            self._booked(job, chosen, self.wall)  # (once the workload has stopped: soon)
             return Waiting("taken_for", gpu=with_workload[0].uuid, by_workload=with_workload[0].workload)
-        ready_at = max((g.free_since if g.free_since is not None else self.now) for g in chosen) + self.delay
+        ready_at = self._ready_at(chosen)
         start = StartJob(job.id, tuple(g.uuid for g in chosen))
+        self._booked(job, chosen, self.wall + max(0.0, ready_at - self.now))
         if ready_at > self.now:
             self.soon.append(SoonJob(start, ready_at))  # (monotonic, as free_since; the reason: wall-clock)
             self.users.starting[job.user] += 1
+            self.estimates[job.id] = self.wall + (ready_at - self.now)
             return Waiting("start_delay", until=self.wall + (ready_at - self.now))
         self.starts.append(start)
         return None
+
+    def _ready_at(self, chosen: List[GpuView]) -> float:
+        """When a job may start on these free GPUs (monotonic): each free for the start delay."""
+        return max((g.free_since if g.free_since is not None else self.now) for g in chosen) + self.delay
+
+    def _booked(self, job: Job, chosen: List[GpuView], start: float) -> None:
+        """It starts at `start` (wall-clock): when its GPUs are next ready, for the timeline."""
+        self.started_at[job.id] = start
+        if self.timeline is not None:
+            self.timeline.book([g.uuid for g in chosen], start, job.time_limit, self.delay)
+
+    def _not_kept(self, job: Job, usable: List[GpuView]) -> Union[List[GpuView], Waiting]:
+        """The open GPUs this job may take: those not kept for the reservation, and the kept ones too when
+        it ends before the reservation's start (a backfill); else why it waits (`kept`)."""
+        plain = [g for g in usable if g.uuid not in self.kept]
+        if len(plain) >= job.gpus_wanted:
+            return plain
+        kept = [g for g in usable if g.uuid in self.kept]
+        chosen = (plain + kept)[: job.gpus_wanted]
+        start = self.wall + max(0.0, self._ready_at(chosen) - self.now)
+        assert self.reservation is not None
+        if fits_before(start, job.time_limit, self.delay, self.reservation):
+            return plain + kept
+        head = J.ref(self.by_id[self.reservation.job])
+        return Waiting("kept", gpu=kept[0].uuid, by_job=head)
 
     def _why_not(self, job: Job) -> Waiting:
         if self.waiting_before:
@@ -481,6 +572,9 @@ def place(
         next_wake=min(wakes) if wakes else None,
         soon=tuple(placer.soon),
         other_wakes=tuple(out["wakes"]),
+        reservation=placer.reservation,
+        kept=placer.kept,
+        estimates=placer.estimates,
     )
 
 

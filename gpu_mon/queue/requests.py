@@ -57,6 +57,7 @@ class View:
     index_of: Dict[str, int] = dataclasses.field(default_factory=dict)
     placed_up_to: int = 0  # the highest job id the last placement knew
     gpus: Optional[int] = None  # how many GPUs the queue had then (None: not placed yet)
+    estimates: Dict[int, float] = dataclasses.field(default_factory=dict)  # queued job -> estimated start
 
 
 def default_output(home: str, job_ref: Union[int, str]) -> str:
@@ -387,7 +388,7 @@ class Requests:
     def _encoded(self, j: Job, view: View, now: float, whole: bool) -> bytes:
         reason = listed_reason(reason_of(j, view, now), whole)
         indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-        return self.listing.encoded(j, reason, indices, whole)
+        return self.listing.encoded(j, reason, indices, whole, estimate(j, view))
 
     # ------------------------------------------------------------------ cancel, hold, release, logs
 
@@ -705,7 +706,12 @@ def describe(j: Job, view: View, now: float, whole: bool = False) -> dict:
     """A job as `jobs --json` shows it (an array's element without its command: the listing's "arrays"
     has it, as `shared_of` says)."""
     indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-    return _described(j, listed_reason(reason_of(j, view, now), whole), indices, whole)
+    return _described(j, listed_reason(reason_of(j, view, now), whole), indices, whole, estimate(j, view))
+
+
+def estimate(j: Job, view: View) -> Optional[float]:
+    """When a queued job is estimated to start (wall-clock; None: unknown, or not queued)."""
+    return view.estimates.get(j.id) if j.state == J.QUEUED else None
 
 
 def shared_of(j: Job, whole: bool = False) -> dict:
@@ -732,7 +738,9 @@ def _reason_key(j: Job, view: View) -> object:
     return (j.state, j.id > view.placed_up_to, j.reason)
 
 
-def _described(j: Job, reason: str, indices: tuple, whole: bool = False) -> dict:
+def _described(
+    j: Job, reason: str, indices: tuple, whole: bool = False, start: Optional[float] = None
+) -> dict:
     live = j.state in J.LIVE
     command = {} if j.array_id else shared_of(j, whole)
     return {
@@ -743,6 +751,7 @@ def _described(j: Job, reason: str, indices: tuple, whole: bool = False) -> dict
         "reason": reason,
         "gpus": list(j.gpus) if live else [],
         "gpu_indices": list(indices),
+        "estimated_start": iso(start),
         "gpus_wanted": j.gpus_wanted,
         "priority": j.priority,
         "submitted": iso(j.submitted),

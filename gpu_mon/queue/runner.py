@@ -349,7 +349,7 @@ class Queue:
             wakes = [w for w in (soon, self.next_wake, urgent.next_wake) if w is not None and w > now]
             self.next_wake = min(wakes)
             self.place_pending = True
-            return _without_claimed(decision, self.plan.claimed, self._ref) if self.plan else decision
+            return _without_claimed(decision, self._kept(), self._ref) if self.plan else decision
         if force or inputs != self.placed_on:
             self.force_place = self.place_pending = self.unplaced = False
             known = self.store.all()
@@ -369,13 +369,23 @@ class Queue:
         self._take_from_workloads(plan, index_of, now)
         for s in plan.starts:
             self._start(s, index_of, now, wall)
-        self.view = View(plan.waiting, dict(index_of), placed_up_to=self.placed_up_to, gpus=len(uuids))
+        self.view = View(
+            plan.waiting, dict(index_of), self.placed_up_to, len(uuids), estimates=plan.estimates
+        )
 
     def _after_place(self, urgent: placement.Placement, now: float, decision: Decision) -> Decision:
         assert self.plan is not None
         wakes = [w for w in (urgent.next_wake, self.plan.next_wake) if w is not None and w > now]
         self.next_wake = min(wakes) if wakes else None
-        return _without_claimed(decision, self.plan.claimed, self._ref)
+        return _without_claimed(decision, self._kept(), self._ref)
+
+    def _kept(self) -> Dict[str, int]:
+        """The GPUs no [process-*] workload may start on: those jobs hold or claim, and those kept for the
+        head's reservation unless a job may take a GPU from a workload (then one harvests it meanwhile)."""
+        assert self.plan is not None
+        if self.q.preempt_workloads or not self.plan.kept:
+            return self.plan.claimed
+        return {**self.plan.kept, **self.plan.claimed}
 
     def report(self) -> QueueReport:
         """For the outputs: the jobs in each state, the runs going on, and those that began or ended

@@ -38,6 +38,8 @@ def _why(w: Waiting, user: str, index_of: Dict[str, int], now: float) -> str:
         return f"{w.count} job{'s' if w.count != 1 else ''} ahead"
     if w.kind == "start_delay":
         return f"GPU free, starting in {words.duration(max(0.0, (w.until or now) - now))}"
+    if w.kind == "kept":
+        return f"{_gpu(w.gpu, index_of)} kept for job {w.by_job}"
     if w.kind == "taken" and w.by_job:
         return f"{_gpu(w.gpu, index_of)} taken by job {w.by_job}"
     if w.kind in ("taken", "taken_for"):
