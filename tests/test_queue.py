@@ -288,7 +288,7 @@ def test_a_foreign_open_stops_a_job_with_its_signal_and_it_reruns_with_restart_c
         # (once the opener has held the node for [queue] brief_open_seconds: tests/test_queue_probes.py)
         d.wait_log(r"busy: root .*; stopping job 1")
         job = lab.wait_state(lab.alice, job_id, "queued")
-        assert job["restarts"] == 1
+        assert job["restarts"] == 1 and job["ran_seconds"] is not None  # (the first run's, in TIME too)
         reason = lambda: lab.jobs(lab.alice)[job_id]["reason"]  # noqa: E731
         wait_for(lambda: "GPU 0 busy: root" in reason(), 10, "the reason")  # it waits, and says for whom
         events = [(e["event"], e["restart"]) for e in lab.reports(lab.alice, job_id)]

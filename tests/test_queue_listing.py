@@ -104,7 +104,13 @@ def test_a_run_starts_without_the_last_runs_exit_and_an_ended_job_says_how_long_
     assert elapsed(describe(cancelled, view, 0), 1.7e9 + 900) == 60
     assert elapsed(describe(job(), view, 0), 1.7e9) is None  # never ran
     live = describe(again, view, 0)
-    assert elapsed(live, 1.7e9 + 130) == 30
+    assert elapsed(live, 1.7e9 + 130) == 30 + 60  # TIME: this run so far and the first one
+    assert live["ran_seconds"] == 60 and describe(job(), view, 0)["ran_seconds"] is None
+    assert describe(killed, view, 0)["ran_seconds"] == 60 + 90  # every run, where run_seconds is the last's
+    assert json.loads(Listing().encoded(killed, "", ()))["ran_seconds"] == 150
+    assert elapsed(describe(killed, view, 0), 0) == 150
+    older = dataclasses.replace(killed, ran_seconds=0.0, gpu_seconds=300.0, gpus_wanted=2)
+    assert describe(older, view, 0)["ran_seconds"] == 150  # an older gpu-mon's row: GPU-seconds / GPUs
 
 
 def test_an_element_lists_no_command_its_arrays_is_given_once_and_a_long_command_is_cut_but_when_named():

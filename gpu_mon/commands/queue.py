@@ -466,7 +466,8 @@ def _row(j: dict, today: Optional[str] = None, arrays: Optional[Dict[str, dict]]
 
 
 def _ran(j: dict) -> str:
-    """TIME: how long it has run (or ran); for an array's elements whose times differ, `5 min-2 h`."""
+    """TIME: how long it has run over all its runs (a running one: so far); for an array's elements whose
+    times differ, `5 min-2 h`."""
     from gpu_mon.policy import words
     from gpu_mon.queue.listing import elapsed
 
@@ -474,8 +475,9 @@ def _ran(j: dict) -> str:
     if j.get("started_range") and j["state"] in J.LIVE:
         longest, shortest = (elapsed({**j, "started": s}, now) for s in j["started_range"])
         return _span(words.duration(shortest or 0.0), words.duration(longest or 0.0))
-    if j.get("run_seconds_range") and j["state"] in J.ENDED:
-        shortest, longest = j["run_seconds_range"]
+    ranged = j.get("ran_seconds_range") if "ran_seconds" in j else j.get("run_seconds_range")
+    if ranged and j["state"] in J.ENDED:
+        shortest, longest = ranged
         return _span(words.duration(shortest), words.duration(longest))
     seconds = elapsed(j, now)
     return words.duration(seconds) if seconds is not None else "-"

@@ -2,8 +2,8 @@
 totals, unions and ranges, never one element's value as the group's.
 
 - GPUs: the union of the elements' GPUs (sorted by index); RESTARTS: the total of the elements' restarts.
-- started, run_seconds, exit status and signal, submitted, priority: the shared value, else null, with
-  `started_range` / `run_seconds_range` ([shortest, longest]) for TIME.
+- started, run_seconds, ran_seconds, exit status and signal, submitted, priority: the shared value, else
+  null, with `started_range` / `run_seconds_range` / `ran_seconds_range` ([shortest, longest]) for TIME.
 - ended: the latest (the group ended when its last element did); preempted: the latest preemption, with its
   reason.
 - reason: the shared one, else the first element's, named as its own (`22_0: waiting: 3 jobs ahead (the
@@ -17,12 +17,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import iso, run_seconds
+from gpu_mon.queue.listing import iso, ran_in_all, run_seconds
 
 # the fields shown only when every element has the same: (JSON key, the value, as JSON has it)
 _SHARED: Tuple[Tuple[str, Callable[[Job], object], Callable[[object], object]], ...] = (
     ("started", lambda j: j.started, lambda v: iso(v)),  # type: ignore[arg-type]
     ("run_seconds", run_seconds, lambda v: v),
+    ("ran_seconds", ran_in_all, lambda v: v),
     ("exit_status", lambda j: j.exit_status, lambda v: v),
     ("signal", lambda j: j.signal or None, lambda v: v),
     ("submitted", lambda j: j.submitted, lambda v: iso(v)),  # type: ignore[arg-type]
@@ -92,7 +93,8 @@ def _ranges(group: dict, members: Sequence[Job]) -> None:
         starts = [m.started for m in members if m.started is not None]
         if starts:
             group["started_range"] = [iso(min(starts)), iso(max(starts))]
-    if group["run_seconds"] is None:
-        runs = [s for s in map(run_seconds, members) if s is not None]
-        if runs:
-            group["run_seconds_range"] = [min(runs), max(runs)]
+    for key, of in (("run_seconds", run_seconds), ("ran_seconds", ran_in_all)):
+        if group[key] is None:
+            runs = [s for s in map(of, members) if s is not None]
+            if runs:
+                group[f"{key}_range"] = [min(runs), max(runs)]

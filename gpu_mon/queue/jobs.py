@@ -55,6 +55,7 @@ class Job:
     signal: int = 0  # the signal that ended its last run (0: it exited; exit_status is 128 + it when not 0)
     reason: str = ""  # why it ended as it did, or why it is stopping (STOP_*)
     gpu_seconds: float = 0.0  # over all its runs that ended
+    ran_seconds: float = 0.0  # its run time over all its runs that ended (0 in an older gpu-mon's rows)
     leader_pid: int = 0  # the leader of its current run, and its start ticks (for a daemon restart)
     leader_ticks: int = 0
     queued_at: Optional[float] = None  # when it last went back to the queue (None: waits since submitted)
@@ -276,8 +277,15 @@ def ended(job: Job, now: float, returncode: int, signal: int = 0) -> Job:
     """Its run ended: done, failed, or what its stop was for (back in the queue after a preemption).
     signal: the one that ended it (0: it exited with returncode)."""
     used = job.gpu_seconds + _ran(job, now)
+    ran = job.ran_seconds + max(0.0, now - (job.started or now))
     base = dataclasses.replace(
-        job, gpu_seconds=used, leader_pid=0, leader_ticks=0, exit_status=returncode, signal=signal
+        job,
+        gpu_seconds=used,
+        ran_seconds=ran,
+        leader_pid=0,
+        leader_ticks=0,
+        exit_status=returncode,
+        signal=signal,
     )
     if job.state == STOPPING and job.reason == STOP_PREEMPT:
         if job.requeue:

@@ -58,12 +58,21 @@ def run_seconds(j: Job) -> Optional[int]:
     return None if end is None else int(max(0.0, end - j.started))
 
 
+def ran_in_all(j: Job) -> Optional[int]:
+    """Its run time over every run that ended, in whole seconds (None: none ended). An older gpu-mon kept
+    only GPU-seconds: those over the GPUs it wants, then."""
+    ran = j.ran_seconds or j.gpu_seconds / max(1, j.gpus_wanted)
+    return int(ran) if ran or j.restarts or (j.state in J.ENDED and j.started is not None) else None
+
+
 def elapsed(j: dict, now: float) -> Optional[float]:
-    """The TIME of `jobs`' table: how long a running job has run, how long an ended one's last run
-    lasted; None for one waiting (or that never ran)."""
+    """The TIME of `jobs`' table: a job's run time over all its runs (a running one's so far); None for
+    one that never ran (a listing from an older gpu-mon: the current or last run's only)."""
+    before = j.get("ran_seconds")
     if j["state"] in J.LIVE and j.get("started"):
-        return max(0.0, now - datetime.datetime.strptime(j["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp())
-    return j.get("run_seconds")
+        started = datetime.datetime.strptime(j["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        return max(0.0, now - started) + (before or 0)
+    return before if before is not None else j.get("run_seconds")
 
 
 def _value(v: object) -> str:
@@ -142,6 +151,7 @@ def _pieces(j: Job, whole: bool = False) -> Tuple[bytes, bytes, bytes]:
         f'"submitted":{_time(j.submitted)},"started":{_time(j.started)},"ended":{_time(j.ended)},'
         f'"restarts":{_value(j.restarts)},"exit_status":{_value(j.exit_status)},'
         f'"signal":{_value(j.signal or None)},"run_seconds":{_value(run_seconds(j))},'
+        f'"ran_seconds":{_value(ran_in_all(j))},'
         f'"preempted":{_time(j.preempted_at)},"preempted_reason":{preempted}'
         f'{command},"array_id":{_value(j.array_id or None)},'
         f'"array_index":{_value(j.array_index if j.array_id else None)}}}'

@@ -26,7 +26,7 @@ from gpu_mon.queue import jobs as J
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, run_seconds
+from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, ran_in_all, run_seconds
 from gpu_mon.queue.placement import Waiting, never_fits, never_met
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
@@ -761,6 +761,7 @@ def _described(
         "exit_status": j.exit_status,
         "signal": j.signal or None,
         "run_seconds": run_seconds(j),
+        "ran_seconds": ran_in_all(j),
         "preempted": iso(j.preempted_at),
         "preempted_reason": listed_reason(j.preempted_reason, whole),
         **command,
