@@ -231,6 +231,11 @@ def test_update_changes_what_a_submit_would_check_and_refuses_the_adversary(ulab
     )
     assert update(ann, "--name", "renamed", str(job)).returncode == 0
     assert lab.jobs(ann)[job]["name"] == "renamed"
+    r = update(ann, "--time-limit", "2h", str(job))  # up, while it runs: root's to do (as in Slurm)
+    assert (r.returncode, r.stderr) == (
+        1,
+        f"gpu-mon: job {job} is running: only root may raise its time limit (it has 90m)\n",
+    )
     assert update(ann, "--time-limit", "1", str(job)).returncode == 0  # (passed already: it ends now)
     lab.wait_state(ann, job, "timeout")
     r = update(ann, "--name", "late", str(job))

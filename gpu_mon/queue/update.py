@@ -3,7 +3,8 @@ checks it, and the change of one job (pure; requests.py finds the jobs and write
 
 A queued or held job may change its --priority (a plain user only lowers it, as in Slurm; root may raise
 it), --time-limit (within [queue] max_time_limit), --gpus, --after and --name; a running one only its
---name and --time-limit (anything else is refused, naming it); an ended one nothing.
+--name and --time-limit (a plain user only lowers a running job's limit; anything else is refused,
+naming it); an ended one nothing.
 """
 
 from __future__ import annotations
@@ -76,16 +77,25 @@ def _limit(req: dict, q: QueueSection) -> float:
 
 def allowed(jobs: Iterable[Job], change: Change, admin: bool) -> None:
     """Bad (code 1) when the asker may not make this change to these jobs (their own, or root's): a plain
-    user raising a job's priority (Slurm lets only an operator raise it)."""
-    if admin or change.priority is None:
+    user raising a job's priority (Slurm lets only an operator raise it), or a running job's time limit
+    (the estimated starts of the jobs behind it count on it; a queued one's may go up to the maximum)."""
+    if admin:
         return
     for j in jobs:
-        if change.priority > j.priority and j.state not in J.ENDED:
+        _own_limit(j, change)
+        if change.priority is not None and change.priority > j.priority and j.state not in J.ENDED:
             raise Bad(
                 f"job {J.ref(j)}: only root may raise a job's priority (it has {j.priority}; "
                 f"--priority {change.priority})",
                 1,
             )
+
+
+def _own_limit(j: Job, change: Change) -> None:
+    raised = change.time_limit is not None and (j.time_limit is None or change.time_limit > j.time_limit)
+    if raised and j.state in J.LIVE:
+        now = "none" if j.time_limit is None else timelimits.span(j.time_limit)
+        raise Bad(f"job {J.ref(j)} is running: only root may raise its time limit (it has {now})", 1)
 
 
 def changed(job: Job, change: Change, waiting_only: bool = False) -> Job:
