@@ -36,6 +36,7 @@ _NOT_SUBMITTED = frozenset(
         "signal",
         "reason",
         "gpu_seconds",
+        "ran_seconds",
         "leader_pid",
         "leader_ticks",
         "queued_at",
