@@ -511,12 +511,17 @@ def _change(args: argparse.Namespace, socket: str) -> int:
     if select:
         return _change_selected(args.command, socket, select)
     answer = _ask(socket, {"op": args.command, "ids": args.ids})
+    return said(answer["results"], lambda r, of: f"{r['state']}{f' ({of})' if of else ''}")
+
+
+def said(results: List[dict], done: Callable[[dict, str], str]) -> int:
+    """Each job's result of a change, a line each (`job 17: WHAT`, `done(result, "3 of 5 elements")`;
+    a refusal on stderr); exit 1 when any was refused."""
     code = base.EXIT_OK
-    for r in answer["results"]:
-        if r["ok"] and r.get("count") is not None:
-            print(f"job {r['id']}: {r['state']} ({r['count']} of {r['of']} elements)")
-        elif r["ok"]:
-            print(f"job {r['id']}: {r['state']}")
+    for r in results:
+        if r["ok"]:
+            of = f"{r['count']} of {r['of']} elements" if r.get("count") is not None else ""
+            print(f"job {r['id']}: {done(r, of)}")
         else:
             print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
             code = base.EXIT_FAILURE

@@ -71,16 +71,10 @@ def update(args: argparse.Namespace, socket: str, ask: Ask) -> int:
         raise CliError(what) from None
     if len(req) == 2:
         raise CliError("update: nothing to change (--priority, --time-limit, --gpus, --after or --name)")
-    code = base.EXIT_OK
-    for r in ask(socket, req)["results"]:
-        if r["ok"] and r.get("count") is not None:
-            print(f"job {r['id']}: updated ({r['count']} of {r['of']} elements: {r['state']})")
-        elif r["ok"]:
-            print(f"job {r['id']}: updated ({r['state']})")
-        else:
-            print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
-            code = base.EXIT_FAILURE
-    return code
+    from gpu_mon.commands import queue  # (queue.py imports this module)
+
+    results = ask(socket, req)["results"]
+    return queue.said(results, lambda r, of: f"updated ({f'{of}: ' if of else ''}{r['state']})")
 
 
 def share(args: argparse.Namespace, socket: str, ask: Ask) -> int:
