@@ -244,13 +244,7 @@ def test_update_changes_what_a_submit_would_check_and_refuses_the_adversary(ulab
     lab.submit(ben, "--hold", *lab.job_cmd("exit", "0"))
     seen = json.loads(lab.run(ann, "share", "--json").stdout)
     assert seen["everyone"] is False and [u["user"] for u in seen["users"]] == ["gmuann"]
-    root = subprocess.run(
-        [*GPU_MON, "--config", str(lab.client_conf), "share", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    root = _as_root(lab, "share", "--json")
     assert sorted(u["user"] for u in json.loads(root.stdout)["users"]) == ["gmuann", "gmuben"]
 
 
@@ -280,13 +274,7 @@ def test_share_shows_usage_the_fair_order_and_jobs_to_everyone(ulab, daemon_fact
     _started(lab, daemon_factory)
     used = lab.submit(ann, *lab.job_cmd("exit", "0"))
     lab.wait_state(ann, used, "done")
-    drain = subprocess.run(
-        [*GPU_MON, "--config", str(lab.client_conf), "queue", "drain"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    drain = _as_root(lab, "queue", "drain")
     assert drain.returncode == 0, drain.stderr
     lab.submit(ann, *lab.job_cmd("exit", "0"))
     lab.submit(ann, "--hold", *lab.job_cmd("exit", "0"))
@@ -304,3 +292,14 @@ def test_share_shows_usage_the_fair_order_and_jobs_to_everyone(ulab, daemon_fact
     assert table[0] == "fair order; GPU-hours over the last 24 h; place 1 gets the next free GPU"
     assert table[1].split() == ["PLACE", "USER", "GPU-HOURS", "RUNNING", "GPUS", "QUEUED", "HELD"]
     assert [line.split()[:2] for line in table[2:]] == [["1", "gmuben"], ["2", "gmuann"]]
+
+
+def _as_root(lab, *argv: str) -> subprocess.CompletedProcess:
+    """gpu-mon ARGV as root, with the lab's client config."""
+    return subprocess.run(
+        [*GPU_MON, "--config", str(lab.client_conf), *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
