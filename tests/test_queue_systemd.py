@@ -142,6 +142,11 @@ class Lab:
         out = self.box.run([_gpu_mon(), "--config", CLIENT_CONF, "jobs", "--json", "--all"]).stdout
         return next(j for j in json.loads(out)["jobs"] if j["id"] == job_id)
 
+    def runs(self, job_id: int) -> list:
+        """The job's runs as `gpu-mon show --json` gives them (the store's records)."""
+        out = self.box.run([_gpu_mon(), "--config", CLIENT_CONF, "show", "--json", str(job_id)]).stdout
+        return json.loads(out)["jobs"][0]["runs"]
+
     def wait_job(self, job_id: int, state: str, restarts: int = 0, timeout: float = 30) -> dict:
         def reached():
             j = self.job(job_id)
@@ -364,6 +369,8 @@ def test_a_restart_of_gpu_mon_leaves_its_running_job_untouched_and_takes_it_over
     lab.svc.wait_line(rf"^queue: job {job} of {USER} exited with status 3: failed$", after=before)
     assert not lab.unit_lines(f"gpu-mon-job-{job}-r1.service"), "the job ran a second time"
     assert not list(lab.box.path("/var/lib/gpu_mon").glob("gpu-mon-job-*"))  # (its record taken)
+    (run,) = lab.runs(job)  # one run in the store's records, across both daemons, ended as it did
+    assert (run["restart"], run["how"], run["end"] is not None) == (0, "failed", True), run
 
 
 def test_a_job_taken_over_keeps_its_time_limit_counted_from_its_start(lab: Lab):
