@@ -103,6 +103,8 @@ COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queu
 
 def cmd_queue(args: argparse.Namespace) -> int:
     """Run one of the queue commands."""
+    named = getattr(args, "id", None)
+    _ranges_checked([*(getattr(args, "ids", None) or []), *([named] if named is not None else [])])
     socket = socket_path(args)
     handler = {
         "submit": _submit,
@@ -317,16 +319,38 @@ def _wait(waiting: _Waiting, refs: List[Union[int, str]]) -> int:
 
 
 def _ids(text: str) -> List[Union[int, str]]:
-    return [_job_id(part) for part in text.split(",") if part.strip()] if text else []
+    """`--after 16,17_[0-3,8]`: the ids, split at the commas outside a range's brackets."""
+    parts = re.findall(r"(?:\[[^\]]*\]?|[^,\[])+", text or "")
+    try:
+        return _ranges_checked([_job_id(part) for part in parts if part.strip()], "--after: ")
+    except argparse.ArgumentTypeError as err:
+        raise CliError(f"--after: {err}") from None
 
 
 def _job_id(text: str) -> Union[int, str]:
-    """`17` (a job, or a whole array) as a number, `17_5` (an array's element) as it is."""
+    """`17` (a job, or a whole array) as a number, `17_5` (an array's element) and `17_[0-3,8]` (those
+    elements: the daemon, which knows [queue] max_array_size, bounds it) as text."""
+    if arrays.is_range(text):
+        return text.strip()  # (checked by _ranges_checked: one line, not the usage)
     try:
         job_id, index = arrays.parse_ref(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return job_id if index is None else f"{job_id}_{index}"
+
+
+_ANY_SIZE = 10**9  # (the client checks a range's shape; the daemon its size)
+
+
+def _ranges_checked(refs: List[Union[int, str]], what: str = "") -> List[Union[int, str]]:
+    """The refs; CliError (one line, exit 2) for a range that is malformed (nothing is built per index)."""
+    for ref in refs:
+        if arrays.is_range(ref):
+            try:
+                arrays.parse_range(str(ref), _ANY_SIZE, build=False)
+            except arrays.SpecError as err:
+                raise CliError(f"{what}{err}") from None
+    return refs
 
 
 def _shown_id(j: dict) -> str:
@@ -491,7 +515,7 @@ def _change(args: argparse.Namespace, socket: str) -> int:
             print(f"job {r['id']}: {r['state']}")
         else:
             print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
-            code = base.EXIT_FAILURE
+            code = max(code, int(r.get("code") or base.EXIT_FAILURE))  # (2: a range refused)
     return code
 
 
@@ -538,6 +562,12 @@ def _logs(args: argparse.Namespace, socket: str) -> int:
     offset = output.print_from(0, quiet=args.follow or state in (J.QUEUED, J.HELD))
     if args.follow:
         offset = _follow(output, offset, state, args.id, socket)
+        if offset is None:  # (how it ended: cancelled before it ran, say)
+            answer = _ask(socket, {"op": "logs-path", "id": args.id})
+            state = answer["state"]
+    if offset is None and state in J.ENDED and answer.get("ran") is False:
+        why = sanitize(str(answer.get("reason") or state))
+        raise CliError(f"job {args.id} never ran ({why}): it has no output", base.EXIT_FAILURE)
     if offset is None:
         why = answer.get("reason") if state == J.FAILED else ""  # (its output could not be opened: why)
         said = f": {why}" if why else f" yet ({path})"
