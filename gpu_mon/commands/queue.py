@@ -38,8 +38,9 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         help="queue a command to run as you on free GPUs, yielding to anyone else's use",
         description="Queue COMMAND to run as you, in this directory, with this environment, on GPUs nobody "
         "else uses ([queue] in the daemon's config). It gets CUDA_VISIBLE_DEVICES (GPU UUIDs), "
-        "GPU_MON_JOB_ID and GPU_MON_RESTART_COUNT. When someone else uses one of its GPUs it gets its stop "
-        "signal, SIGKILL after the grace, and goes back to the queue. Prints `job ID queued (N ahead)`; "
+        "GPU_MON_JOB_ID, GPU_MON_JOB_REF (its name: 17, an element 17_5) and GPU_MON_RESTART_COUNT. When "
+        "someone else uses one of its GPUs it gets its stop signal, SIGKILL after the grace, and goes back "
+        "to the queue. Prints `job ID queued (N ahead)`; "
         "exit 1 when refused, 2 on bad usage; with --wait the job's own exit status (124: time limit).",
     )
     add_common(p, top=False, sim=False)
@@ -54,9 +55,9 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
             name,
             help=f"{what} jobs",
             description=f"{what.capitalize()} jobs: those named (17: a job or a whole array; 17_5: one "
-            "element), or every one of yours that --name, --state or --all selects (the daemon picks them, "
-            "in one go, and says how many). Root selects only its own jobs unless --user names another "
-            "user ('*': every user). Exit 1 when nothing matched.",
+            "element; '17_[0-3,8]': those elements), or every one of yours that --name, --state or --all "
+            "selects (the daemon picks them, in one go, and says how many). Root selects only its own jobs "
+            "unless --user names another user ('*': every user). Exit 1 when nothing matched.",
         )
         add_common(p, top=False, sim=False)
         p.add_argument("--name", help="your jobs with this name (every element of a named array)")
@@ -71,7 +72,8 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p = sub.add_parser(
         "wait",
         help="wait until jobs end",
-        description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
+        description="Wait until every job named (17: a job or a whole array; 17_5: one element; "
+        "'17_[0-3,8]': those elements) has ended. "
         "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
         "(124: time limit; 1: cancelled or preempted). Waiting outlives a restart of the daemon: one line "
         "on stderr says so and it waits on (for ever, without --timeout, if no daemon comes back).",
@@ -719,5 +721,5 @@ _JOBS_OPTIONS = (
     _opt(
         "--json", action="store_true", help="machine-readable output (every element; an array's command once)"
     ),
-    _opt("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)"),
+    _opt("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5, '17_[0-3,8]')"),
 )
