@@ -409,8 +409,17 @@ class _Writer:
             [(wall, *row) for row in rows],
         )
 
+    def _renamed(self, key: tuple, run: JobRun) -> None:
+        """An element's run an earlier gpu-mon recorded under the element's own number: named as now."""
+        if run.array_id:
+            self.conn.execute(
+                "UPDATE OR IGNORE job_runs SET job = ? WHERE job = ? AND submitted = ? AND start = ?",
+                (*key[:1], run.job, *key[1:]),
+            )
+
     def _op_job_start(self, op: tuple) -> None:
         _, key, run = op
+        self._renamed(key, run)
         self.conn.execute(
             "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?) "
@@ -426,6 +435,7 @@ class _Writer:
         """The run's end (None: an earlier daemon's run, gone with it: its last recorded end stays)."""
         _, key, run = op
         self.open["job_runs"].pop(key, None)
+        self._renamed(key, run)
         self.conn.execute(
             "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart, "
             "preempted_by) VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?, ?) "
