@@ -401,7 +401,7 @@ class Requests:
     def _mine(self, peer: Peer, user: pwd.struct_passwd, ref: object) -> Job:
         found = self._targets(peer, ref)
         if len(found) > 1 and arrays.is_range(ref):
-            raise Bad(f"job {_ref_text(ref)} names {len(found)} elements: name one (ARRAY_INDEX)")
+            raise Bad(f"job {_ref_text(ref)} names {len(found)} elements: name one ({J.ref(found[0])}, ...)")
         if len(found) > 1:
             name = _ref_text(ref)
             raise Bad(f"job {name} is an array of {len(found)} elements: name one ({name}_INDEX)")
