@@ -93,6 +93,9 @@ def test_ranges_name_elements_for_every_command_and_bad_ones_are_one_line(rlab, 
     # an element that never ran has no output: `logs` says so, not "no output yet"
     _one_line(lab.run(ann, "logs", f"{arr}_2"), 1, f"job {arr}_2 never ran (cancelled by gmrann)")
     _one_line(lab.run(ann, "logs", f"{arr}_[2]"), 1, f"job {arr}_[2] never ran")
+    _one_line(
+        lab.run(ann, "logs", f"{arr}_[6,8]"), 2, f"job {arr}_[6,8] names 2 elements: name one ({arr}_6, ...)"
+    )
     # a range that names no job, or only ended ones: one line, exit 1 (as a job id that names none)
     _one_line(lab.run(ann, "cancel", f"{arr}_[50-60]"), 1, f"job {arr}_[50-60]: no such job")
     _one_line(lab.run(ann, "cancel", f"{arr + 100}_[0-1]"), 1, "no such job")
