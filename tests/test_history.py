@@ -291,3 +291,34 @@ def test_a_history_path_that_is_not_a_regular_file_is_never_touched(tmp_path, si
     assert os.stat("/dev/null").st_mode == mode_null
     r = report(d.config_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+def test_an_elements_runs_are_named_as_jobs_names_it_and_an_earlier_daemons_row_is_renamed(tmp_path):
+    """job_runs.job: 17 for a job, `17_5` for an array's element (the number of its own an earlier gpu-mon
+    recorded is renamed when the run goes on or ends, not left open beside it)."""
+    import dataclasses
+    import queue
+
+    from gpu_mon.api import summary
+    from gpu_mon.queue.runs import JobRun
+
+    ops: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    w = history._Writer(HistorySection(path=str(tmp_path / "h.sqlite")), ops)
+    assert w._open(time.time())
+    t = time.time() - 60
+    plain = JobRun(job=17, user="ann", name="a", gpus=("GPU-a",), submitted=t, start=t + 1, wait=1, restart=0)
+    element = dataclasses.replace(plain, job=20, array_id=18, array_index=2, name="sweep")
+    old = dataclasses.replace(element, job=21, array_index=3, start=t + 2)
+    w.conn.execute(  # (as an earlier gpu-mon wrote an element's run: its own number)
+        "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart) "
+        "VALUES (21, 'ann', 'sweep', 'GPU-a', ?, ?, ?, 'running', 0, 0)",
+        (t, t + 2, t + 3),
+    )
+    for run in (plain, element, old):
+        w._write([("job_start", history._job_key(run), run)])
+    ended = [dataclasses.replace(r, end=t + 10, how="done") for r in (plain, element, old)]
+    w._write([("job_end", history._job_key(r), r) for r in ended])
+    rows = w.conn.execute("SELECT job, how FROM job_runs ORDER BY job").fetchall()
+    assert len(rows) == 3 and set(rows) == {(17, "done"), ("18_2", "done"), ("18_3", "done")}
+    found = summary.job_rows(historydb.job_runs(w.conn, t - 1, t + 100), t - 1, t + 100)
+    assert [r["job"] for r in found] == [17, "18_2", "18_3"]

@@ -389,7 +389,7 @@ def test_only_the_owner_or_root_may_cancel_hold_release_or_read_a_job(lab, daemo
     r = lab.run(lab.alice, "cancel", str(job_id))
     assert (r.returncode, r.stdout) == (0, f"job {job_id}: stopping\n")
     job = lab.wait_state(lab.alice, job_id, "cancelled")
-    assert job["reason"] == "cancelled while running"
+    assert job["reason"] == "cancelled by gmqalice while running"  # (who, as a queued job's says)
     assert [e["event"] for e in lab.reports(lab.alice, job_id)] == ["start", "signal"]
 
 

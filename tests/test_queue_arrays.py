@@ -342,7 +342,7 @@ def test_cancel_hold_release_and_after_take_an_array_or_one_element(alab, daemon
     r = lab.run(ann, "logs", str(arr))
     assert r.returncode == 2 and "is an array of 4 elements: name one" in r.stderr
     r = lab.run(ann, "wait", str(arr))
-    assert r.returncode == 1 and f"job {arr}_[3] cancelled" in r.stderr, r.stderr
+    assert r.returncode == 1 and f"job {arr}_3 cancelled" in r.stderr, r.stderr  # (one element: as itself)
 
 
 @pytestmark_root
@@ -478,6 +478,9 @@ def test_hooks_run_as_the_user_in_the_jobs_directory_once_per_array_and_a_failur
     assert (env["GPU_MON_JOB_EXIT"], env["UID"], env["CWD"]) == ("3", str(ann.uid), str(ann.work))
     assert env["GPU_MON_JOB_NAME"] == "" and "GPU_MON_ARRAY_ID" not in env and env["GMQ_MARK"] == lab.marker
     assert runs[f"{each + 1}-done"]["GPU_MON_ARRAY_INDEX"] == "1"
+    # each named as `jobs` names it (GPU_MON_JOB_ID: its own number, as before)
+    assert runs[f"{each + 1}-done"]["GPU_MON_JOB_REF"] == f"{each}_1"
+    assert env["GPU_MON_JOB_REF"] == str(single)
     log = ann.home / ".local/state/gpu-mon/jobs" / f"{single}.log"
     wait_for(lambda: f"hook ran for {single}\n" in log.read_text(), 10, "the hook's output in the job's log")
     # an array without --notify-each: once, when its last element ended
@@ -486,6 +489,7 @@ def test_hooks_run_as_the_user_in_the_jobs_directory_once_per_array_and_a_failur
     env = dict(line.split("=", 1) for line in notice.read_text().splitlines() if "=" in line)
     assert (env["GPU_MON_ARRAY_ID"], env["GPU_MON_JOB_STATE"]) == (str(arr), "done")
     assert env["GPU_MON_ARRAY_COUNTS"] == "done=3" and env["GPU_MON_JOB_EXIT"] == "0"
+    assert env["GPU_MON_JOB_REF"] == f"{arr}_{env['GPU_MON_ARRAY_INDEX']}"  # (its last element's)
     # a failing hook: one line in the daemon's log and one in the job's (ben's, as ben)
     d.wait_log(rf"queue: job {bad}: its hook exited with status 7")
     ben_log = ben.home / ".local/state/gpu-mon/jobs" / f"{bad}.log"

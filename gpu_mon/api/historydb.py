@@ -12,7 +12,7 @@ import os
 import sqlite3
 import stat
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 SCHEMA_VERSION = 4
 APPLICATION_ID = 0x67706D6E  # "gpmn": marks the file as gpu-mon's history
@@ -276,7 +276,7 @@ def idle_episodes(conn: sqlite3.Connection, since: float, until: float) -> List[
 class JobRunRow:
     """One run of a queued job as the history has it (`how` is `running` while it runs)."""
 
-    job: int
+    job: Union[int, str]  # as people name it: 17; an array's element "17_5" (before: its own number)
     user: str
     name: str
     gpus: int  # how many

@@ -175,7 +175,7 @@ def job_rows(runs: List[historydb.JobRunRow], since: float, until: float) -> Lis
     """Per queued job: its runs in the period, their GPU-seconds, preemptions (and why each, naming who:
     `preempted_by`, in order) and waits (queued time before each start), and how its last run ended
     (`running` while it runs)."""
-    out: Dict[Tuple[int, float], dict] = {}
+    out: Dict[Tuple[object, float], dict] = {}
     for run in runs:  # (by start: the last one wins `last`)
         row = out.setdefault(
             (run.job, run.submitted),
@@ -193,7 +193,16 @@ def job_rows(runs: List[historydb.JobRunRow], since: float, until: float) -> Lis
         if figures["preemptions"]:
             row["preempted_by"].append(run.preempted_by or "?")
         row["last"] = run.how
-    return [_rounded(r) for r in sorted(out.values(), key=lambda r: (r["job"], r["user"]))]
+    return [_rounded(r) for r in sorted(out.values(), key=lambda r: (_job_order(r["job"]), r["user"]))]
+
+
+def _job_order(job: object) -> Tuple[int, int]:
+    """Jobs in the order of their ids, an array's elements (`17_5`) at their array's, by index."""
+    head, _, index = str(job).partition("_")
+    try:
+        return int(head), int(index) if index else -1
+    except ValueError:  # (not written by gpu-mon)
+        return 0, -1
 
 
 def _rounded(row: dict) -> dict:

@@ -10,6 +10,7 @@ from typing import Callable, List, Sequence, Set, Tuple
 from gpu_mon.api import holders
 from gpu_mon.api.model import Gpu, GpuReading
 from gpu_mon.commands import base, statedir
+from gpu_mon.commands.checkqueue import queue_lines
 from gpu_mon.config import Config, ConfigError, GpuSection, ProcessSection, line_of, sort_by_line
 from gpu_mon.engine.idle import ACTION_PATH
 from gpu_mon.engine.workloads.supervisor import workload_env
@@ -180,6 +181,7 @@ def cmd_check(args: argparse.Namespace, say: Callable[[str, int], None]) -> int:
     if host:
         return base.EXIT_FAILURE
     print(f"read {len(config.files)} file(s): {', '.join(config.files)}")
+    print("\n".join(queue_lines(config)))
     print(
         f"{config.path}: OK: {len(config.gpu_sections)} [gpu-*] and {len(config.processes)} [process-*] "
         f"section(s); {len(reading.gpus)} GPU(s) seen ({source}); {len(warnings)} warning(s)"

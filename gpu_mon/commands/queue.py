@@ -38,8 +38,9 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
         help="queue a command to run as you on free GPUs, yielding to anyone else's use",
         description="Queue COMMAND to run as you, in this directory, with this environment, on GPUs nobody "
         "else uses ([queue] in the daemon's config). It gets CUDA_VISIBLE_DEVICES (GPU UUIDs), "
-        "GPU_MON_JOB_ID and GPU_MON_RESTART_COUNT. When someone else uses one of its GPUs it gets its stop "
-        "signal, SIGKILL after the grace, and goes back to the queue. Prints `job ID queued (N ahead)`; "
+        "GPU_MON_JOB_ID, GPU_MON_JOB_REF (its name: 17, an element 17_5) and GPU_MON_RESTART_COUNT. When "
+        "someone else uses one of its GPUs it gets its stop signal, SIGKILL after the grace, and goes back "
+        "to the queue. Prints `job ID queued (N ahead)`; "
         "exit 1 when refused, 2 on bad usage; with --wait the job's own exit status (124: time limit).",
     )
     add_common(p, top=False, sim=False)
@@ -54,9 +55,9 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
             name,
             help=f"{what} jobs",
             description=f"{what.capitalize()} jobs: those named (17: a job or a whole array; 17_5: one "
-            "element), or every one of yours that --name, --state or --all selects (the daemon picks them, "
-            "in one go, and says how many). Root selects only its own jobs unless --user names another "
-            "user ('*': every user). Exit 1 when nothing matched.",
+            "element; '17_[0-3,8]': those elements), or every one of yours that --name, --state or --all "
+            "selects (the daemon picks them, in one go, and says how many). Root selects only its own jobs "
+            "unless --user names another user ('*': every user). Exit 1 when nothing matched.",
         )
         add_common(p, top=False, sim=False)
         p.add_argument("--name", help="your jobs with this name (every element of a named array)")
@@ -87,7 +88,8 @@ def _add_wait(sub: argparse._SubParsersAction, add_common: Callable[..., None]) 
     p = sub.add_parser(
         "wait",
         help="wait until jobs end",
-        description="Wait until every job named (17: a job or a whole array; 17_5: one element) has ended. "
+        description="Wait until every job named (17: a job or a whole array; 17_5: one element; "
+        "'17_[0-3,8]': those elements) has ended. "
         "Exit 0 when all are done, else the first failure's status as `submit --wait` gives it "
         "(124: time limit; 1: cancelled or preempted; an array with an element cancelled is not done: "
         "exit 1); with --any-end, 0 once all have ended, whatever the end. Waiting outlives a restart of "
@@ -117,6 +119,8 @@ COMMANDS = ("submit", "jobs", "cancel", "hold", "release", "logs", "wait", "queu
 
 def cmd_queue(args: argparse.Namespace) -> int:
     """Run one of the queue commands."""
+    named = getattr(args, "id", None)
+    _ranges_checked([*(getattr(args, "ids", None) or []), *([named] if named is not None else [])])
     socket = socket_path(args)
     handler = {
         "submit": _submit,
@@ -345,12 +349,29 @@ def _after(text: str) -> List[Union[int, str]]:
 
 
 def _job_id(text: str) -> Union[int, str]:
-    """`17` (a job, or a whole array) as a number, `17_5` (an array's element) as it is."""
+    """`17` (a job, or a whole array) as a number, `17_5` (an array's element) and `17_[0-3,8]` (those
+    elements: the daemon, which knows [queue] max_array_size, bounds it) as text."""
+    if arrays.is_range(text):
+        return text.strip()  # (checked by _ranges_checked: one line, not the usage)
     try:
         job_id, index = arrays.parse_ref(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return job_id if index is None else f"{job_id}_{index}"
+
+
+_ANY_SIZE = 10**9  # (the client checks a range's shape; the daemon its size)
+
+
+def _ranges_checked(refs: List[Union[int, str]], what: str = "") -> List[Union[int, str]]:
+    """The refs; CliError (one line, exit 2) for a range that is malformed (nothing is built per index)."""
+    for ref in refs:
+        if arrays.is_range(ref):
+            try:
+                arrays.parse_range(str(ref), _ANY_SIZE, build=False)
+            except arrays.SpecError as err:
+                raise CliError(f"{what}{err}") from None
+    return refs
 
 
 def _shown_id(j: dict) -> str:
@@ -524,7 +545,7 @@ def said(results: List[dict], done: Callable[[dict, str], str]) -> int:
             print(f"job {r['id']}: {done(r, of)}")
         else:
             print(f"gpu-mon: {sanitize(r['error'])}", file=sys.stderr)
-            code = base.EXIT_FAILURE
+            code = max(code, int(r.get("code") or base.EXIT_FAILURE))  # (2: a range refused)
     return code
 
 
@@ -571,6 +592,12 @@ def _logs(args: argparse.Namespace, socket: str) -> int:
     offset = output.print_from(0, quiet=args.follow or state in (J.QUEUED, J.HELD))
     if args.follow:
         offset = _follow(output, offset, state, args.id, socket)
+        if offset is None:  # (how it ended: cancelled before it ran, say)
+            answer = _ask(socket, {"op": "logs-path", "id": args.id})
+            state = answer["state"]
+    if offset is None and state in J.ENDED and answer.get("ran") is False:
+        why = sanitize(str(answer.get("reason") or state))
+        raise CliError(f"job {args.id} never ran ({why}): it has no output", base.EXIT_FAILURE)
     if offset is None:
         why = answer.get("reason") if state == J.FAILED else ""  # (its output could not be opened: why)
         said = f": {why}" if why else f" yet ({path})"
@@ -724,5 +751,5 @@ _JOBS_OPTIONS = (
     _opt(
         "--json", action="store_true", help="machine-readable output (every element; an array's command once)"
     ),
-    _opt("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5)"),
+    _opt("ids", nargs="*", type=_job_id, metavar="ID", help="only these jobs (17, 17_5, '17_[0-3,8]')"),
 )

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
+import selectors
 import socket
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -137,6 +139,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     said_error = False
+    thread: Optional[threading.Thread] = None  # serve()'s
 
     def handle_error(self, request: object, client_address: object) -> None:
         """A client that hung up is nobody's business; anything else is logged once, in one line (the
@@ -154,6 +157,28 @@ class _Server(ThreadingHTTPServer):
         self.reading: Dict[socket.socket, float] = {}  # connections still sending their request: since
         self.reading_lock = threading.Lock()
         super().__init__(address, _Handler)
+        self._stop_r, self._stop_w = os.pipe()
+
+    def serve(self) -> None:
+        """Accept until stop(): a wait on the socket and a pipe, so that a stop is at once
+        (serve_forever looks for its shutdown every 0.5 s: that much longer before gpu-mon exits)."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.socket, selectors.EVENT_READ)
+            sel.register(self._stop_r, selectors.EVENT_READ)
+            while True:
+                ready = [key.fileobj for key, _events in sel.select()]
+                if self._stop_r in ready:
+                    return
+                self._handle_request_noblock()
+
+    def stop(self) -> None:
+        """End serve() now; release the port and the pipe."""
+        os.write(self._stop_w, b"x")
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        self.server_close()
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
 
     def connected(self, request: socket.socket) -> float:
         """When (monotonic) this connection was accepted."""
@@ -207,12 +232,12 @@ def serve(host: str, port: int, text: Text) -> _Server:
         server = _Server((host, port), text)
     except OSError as err:
         raise MetricsError(f"[metrics] listen {where}: {err.strerror or err}") from None
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    server.thread = threading.Thread(target=server.serve, name="metrics-http", daemon=True)
+    server.thread.start()
     return server
 
 
 def close(server: _Server) -> None:
     """Stop serving and release the port."""
     with contextlib.suppress(OSError):
-        server.shutdown()
-        server.server_close()
+        server.stop()

@@ -23,6 +23,7 @@ from gpu_mon.api import historydb
 from gpu_mon.config import HistorySection
 from gpu_mon.policy import gpustate
 from gpu_mon.policy.report import RoundReport
+from gpu_mon.queue import jobs as J
 from gpu_mon.queue.runner import PREFIX as JOB_PREFIX
 from gpu_mon.queue.runs import JobRun
 
@@ -116,9 +117,9 @@ class History:
         if queue is None:
             return
         for run in queue.started:  # type: ignore[attr-defined]
-            self._put(("job_start", (run.job, run.submitted, run.start), run))
+            self._put(("job_start", _job_key(run), run))
         for run in queue.ended:  # type: ignore[attr-defined]
-            self._put(("job_end", (run.job, run.submitted, run.start), run))
+            self._put(("job_end", _job_key(run), run))
 
     def _runs(self, report: RoundReport, wall: float) -> None:
         # (a queued job's run is a workload of the supervisor too: it is recorded by _job_runs)
@@ -408,8 +409,17 @@ class _Writer:
             [(wall, *row) for row in rows],
         )
 
+    def _renamed(self, key: tuple, run: JobRun) -> None:
+        """An element's run an earlier gpu-mon recorded under the element's own number: named as now."""
+        if run.array_id:
+            self.conn.execute(
+                "UPDATE OR IGNORE job_runs SET job = ? WHERE job = ? AND submitted = ? AND start = ?",
+                (*key[:1], run.job, *key[1:]),
+            )
+
     def _op_job_start(self, op: tuple) -> None:
         _, key, run = op
+        self._renamed(key, run)
         self.conn.execute(
             "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, 'running', ?, ?) "
@@ -425,6 +435,7 @@ class _Writer:
         """The run's end (None: an earlier daemon's run, gone with it: its last recorded end stays)."""
         _, key, run = op
         self.open["job_runs"].pop(key, None)
+        self._renamed(key, run)
         self.conn.execute(
             "INSERT INTO job_runs (job, user, name, gpus, submitted, start, end, how, wait, restart, "
             "preempted_by, energy_mj) VALUES (?, ?, ?, ?, ?, ?, COALESCE(?, ?), ?, ?, ?, ?, ?) "
@@ -474,4 +485,11 @@ def cleaned(value: object) -> object:
 
 def _job_run(run: JobRun) -> tuple:
     """(job, user, name, gpus, submitted, start) of a run, as the job_runs table has them."""
-    return (run.job, run.user, run.name, ",".join(run.gpus), run.submitted, run.start)
+    return (_job_key(run)[0], run.user, run.name, ",".join(run.gpus), run.submitted, run.start)
+
+
+def _job_key(run: JobRun) -> tuple:
+    """(job, submitted, start): a run's key in job_runs. Its job as people name it, as `jobs` does: a job's
+    id (SQLite keeps `17` as the integer), an array's element `17_5` (text, in the same INTEGER column: a
+    history before this kept the element's own number), so `report` names it as every listing does."""
+    return (J.shown(run.job, run.array_id, run.array_index), run.submitted, run.start)

@@ -85,6 +85,12 @@ def parse(spec: str, max_size: int) -> ArraySpec:
             raise SpecError("the %N limit must be at least 1")
     if not body:
         raise SpecError("no indices given (e.g. 0-99, 1,3,5-9, 0-99:5, 0-99%8)")
+    return ArraySpec(_indices(_items(body, max_size)), limit)
+
+
+def _items(body: str, max_size: int) -> List[range]:
+    """The items of a SPEC without its %N, as ranges (nothing built per index): at most max_size indices
+    in all, each below it."""
     ranges: List[range] = []
     count = 0
     for part in body.split(","):
@@ -93,8 +99,11 @@ def parse(spec: str, max_size: int) -> ArraySpec:
         if count > max_size:
             raise SpecError(f"more than {max_size} elements ([queue] max_array_size)")
         ranges.append(r)
-    indices = ranges[0] if len(ranges) == 1 else tuple(sorted({i for r in ranges for i in r}))
-    return ArraySpec(indices, limit)
+    return ranges
+
+
+def _indices(ranges: List[range]) -> Sequence[int]:
+    return ranges[0] if len(ranges) == 1 else tuple(sorted({i for r in ranges for i in r}))
 
 
 def as_range(indices: Sequence[int]) -> Optional[range]:
@@ -139,6 +148,43 @@ def parse_ref(text: str) -> Tuple[int, Optional[int]]:
     if not _NUMBER.match(head) or int(head) < 1 or (under and not _NUMBER.match(tail)):
         raise ValueError(f"{_shown(str(text))} is not a job id (17, or 17_5 for an array's element)")
     return int(head), (int(tail) if under else None)
+
+
+def is_range(text: object) -> bool:
+    """Whether a job reference names a range of an array's elements (`17_[0-3,8]`), as Slurm's scancel
+    takes them."""
+    return isinstance(text, str) and "_[" in text
+
+
+def parse_range(text: str, max_size: int, build: bool = True) -> Tuple[int, Sequence[int]]:
+    """`17_[0-3,8]` -> (17, (0, 1, 2, 3, 8)): the elements of array 17 that a range names, in a SPEC as
+    --array takes it without its %N. What it builds is bounded before it is made, as parse()'s: every
+    index below max_size ([queue] max_array_size), at most max_size of them; `build=False` only checks
+    it (the client, which does not know the daemon's limit: nothing per index made). SpecError (one line,
+    naming the reference) for anything else."""
+    shown = _shown(text)
+    if len(text) > MAX_SPEC:
+        raise SpecError(f"{shown}: too long ({len(text)} characters; at most {MAX_SPEC})")
+    head, _, rest = text.strip().partition("_[")
+    if not _NUMBER.match(head) or int(head) < 1:
+        raise SpecError(f"{shown}: {_shown(head)} is not a job id (17_[0-3,8]: elements of array 17)")
+    if not rest.endswith("]"):
+        raise SpecError(f"{shown}: a range ends with ] (17_[0-3,8])")
+    body = rest[:-1]
+    if not body:
+        raise SpecError(f"{shown}: no indices given (17_[0-3,8])")
+    if "%" in body or "[" in body or "]" in body:
+        raise SpecError(f"{shown}: a range takes indices only (0-3,8; 0-99:5)")
+    try:
+        items = _items(body, max_size)
+    except SpecError as err:
+        raise SpecError(f"{shown}: {err}") from None
+    return int(head), _indices(items) if build else range(0)
+
+
+def range_text(job_id: int, indices: Sequence[int]) -> str:
+    """A range as users write it (`17_[0-3,8]`)."""
+    return f"{job_id}_[{ranges(indices)}]"
 
 
 class Members(MutableMapping[int, int]):

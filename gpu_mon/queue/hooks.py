@@ -155,6 +155,7 @@ def environment(n: Notice) -> Dict[str, str]:
     env = dict(j.env)
     env.update(
         GPU_MON_JOB_ID=str(j.id),
+        GPU_MON_JOB_REF=J.ref(j),  # (as every listing names it: `17`, an element `17_5`)
         GPU_MON_JOB_NAME=j.name,
         GPU_MON_JOB_STATE=n.state,
         GPU_MON_JOB_EXIT="" if n.exit is None else str(n.exit),

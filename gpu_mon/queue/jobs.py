@@ -308,7 +308,8 @@ def ended(job: Job, now: float, returncode: int, signal: int = 0) -> Job:
             base, state=TIMEOUT, ended=now, exit_status=124, signal=0, reason="time limit"
         )
     if job.state == STOPPING and job.reason == STOP_CANCEL:
-        return dataclasses.replace(base, state=CANCELLED, ended=now, reason="cancelled while running")
+        by = f" by {job.stopped_by}" if job.stopped_by else ""  # (as a queued job's: `cancelled by alice`)
+        return dataclasses.replace(base, state=CANCELLED, ended=now, reason=f"cancelled{by} while running")
     state = DONE if returncode == 0 else FAILED
     return dataclasses.replace(base, state=state, ended=now, reason="")
 

@@ -43,6 +43,7 @@ def direct(job: Job, gpus: Tuple[str, ...]) -> Launch:
             "CUDA_VISIBLE_DEVICES": ",".join(gpus),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             "GPU_MON_JOB_ID": str(job.id),
+            "GPU_MON_JOB_REF": J.ref(job),  # (as every listing names it: `17`, an element `17_5`)
             "GPU_MON_RESTART_COUNT": str(job.restarts),
         }
     )

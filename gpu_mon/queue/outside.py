@@ -23,6 +23,7 @@ from typing import Dict, List, Tuple
 from gpu_mon.api.text import sanitize
 from gpu_mon.engine.workloads import transient
 from gpu_mon.engine.workloads.transient import Unit
+from gpu_mon.queue import jobs as J
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.requests import output_of
 
@@ -60,11 +61,13 @@ class UserUnits:
         name = f"gpu-mon-{kind}-{job.id}-{os.getpid()}-{next(self.seq)}.service"
         kept, dropped = transient.environment(env)
         if dropped:
-            log.debug("queue: job %d: not passed to its %s (systemd refuses them): %s", job.id, kind, dropped)
+            log.debug(
+                "queue: job %s: not passed to its %s (systemd refuses them): %s", J.ref(job), kind, dropped
+            )
         env_path = transient.env_file(self.directory, name, kept) if kept else None
         if env_path:
             self.files[env_path] = time.monotonic()
-        what = f"gpu-mon: job {job.id}'s {kind}"  # (SIGTERM, 2 s, SIGKILL when systemd ends it)
+        what = f"gpu-mon: job {J.ref(job)}'s {kind}"  # (SIGTERM, 2 s, SIGKILL when systemd ends it)
         out = transient.command(
             *(name, what, tuple(argv), env_path, job.uid, job.gid, signal.SIGTERM, 1.0, None),
             runtime_max=seconds,
@@ -95,7 +98,7 @@ class UserUnits:
             argv, _unit = self._argv("note", job, writer, {}, NOTE_SECONDS)
             client = self._client(argv)
         except OSError as err:
-            log.debug("queue: job %d: no line written into %s: %s", job.id, sanitize(path), err)
+            log.debug("queue: job %s: no line written into %s: %s", J.ref(job), sanitize(path), err)
             return False
         self.keep[client.pid] = client
         self.clients.append(client)

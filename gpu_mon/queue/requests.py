@@ -17,7 +17,7 @@ import pwd
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
@@ -299,8 +299,9 @@ class Requests:
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
             raise Bad("limit must be a whole number")
         if ids:
-            for ref in ids:
-                _ref(ref)  # (a bad one refused now, in one line)
+            _few_ranges(ids)
+            for ref in ids:  # (a bad one refused now, in one line)
+                self._range(ref) if arrays.is_range(ref) else _ref(ref)
         return Pages(self._pages(req, ids, limit))
 
     def _pages(self, req: dict, ids: list, limit: Optional[int]) -> Iterator[bytes]:
@@ -366,14 +367,13 @@ class Requests:
     ) -> bytes:
         """One entry's JSON: a job's, or a collapsed group's (what its elements share, else totals and
         ranges: grouped.py; with `elements` and `count`)."""
-        if isinstance(e, Job):
-            return self._encoded(e, view, now, whole)
-        members = groups[e]
+        members = [e] if isinstance(e, Job) else groups[e]
+        if len(members) == 1:  # (one element is named as itself: `17_5`, not `17_[5] (1)`)
+            return self._encoded(members[0], view, now, whole)
         encoded = self._encoded(members[0], view, now, whole)
         indices = arrays.ranges(m.array_index for m in members)
-        if len(members) > 1:
-            group = grouped(json.loads(encoded), members, view.index_of, lambda j: _reason_key(j, view))
-            encoded = json.dumps(group, separators=(",", ":")).encode()
+        group = grouped(json.loads(encoded), members, view.index_of, lambda j: _reason_key(j, view))
+        encoded = json.dumps(group, separators=(",", ":")).encode()
         return encoded[:-1] + b',"elements":"%s","count":%d}' % (indices.encode(), len(members))
 
     def _ids(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> Encoded:
@@ -393,12 +393,32 @@ class Requests:
     # ------------------------------------------------------------------ cancel, hold, release, logs
 
     def _found(self, ref: object) -> List[Job]:
-        """The jobs a reference names: `17` (a job, or every element of array 17), `17_5` (one element)."""
+        """The jobs a reference names: `17` (a job, or every element of array 17), `17_5` (one element),
+        `17_[0-3,8]` (those elements of array 17 that are there: Slurm's scancel's ranges)."""
+        if arrays.is_range(ref):
+            return self._in_range(*self._range(ref))
         job_id, index = _ref(ref)
         if index is None and job_id in self.store.arrays:
             return self.store.elements(job_id)
         job = self.store.get(job_id) if index is None else self.store.element(job_id, index)
         return [job] if job is not None else []
+
+    def _range(self, ref: object) -> Tuple[int, Sequence[int]]:
+        """A range's array and indices, bounded by [queue] max_array_size (an enormous one is refused
+        before anything is made for it); Bad (one line, exit 2) when it is malformed."""
+        try:
+            return arrays.parse_range(str(ref), self.queue.max_array_size)
+        except arrays.SpecError as err:
+            raise Bad(str(err)) from None
+
+    def _in_range(self, array_id: int, indices: Sequence[int]) -> List[Job]:
+        """The elements of the array that the indices name, by index (whichever is shorter is walked)."""
+        members = self.store.arrays.get(array_id, {})
+        if len(indices) <= len(members):
+            found = (self.store.element(array_id, i) for i in indices)
+            return [j for j in found if j is not None]
+        wanted = indices if isinstance(indices, range) else frozenset(indices)
+        return [j for j in self.store.elements(array_id) if j.array_index in wanted]
 
     def _targets(self, peer: Peer, ref: object) -> List[Job]:
         """The jobs a reference names, when the asking user may change them (theirs; root: any)."""
@@ -411,6 +431,8 @@ class Requests:
 
     def _mine(self, peer: Peer, user: pwd.struct_passwd, ref: object) -> Job:
         found = self._targets(peer, ref)
+        if len(found) > 1 and arrays.is_range(ref):
+            raise Bad(f"job {_ref_text(ref)} names {len(found)} elements: name one ({J.ref(found[0])}, ...)")
         if len(found) > 1:
             name = _ref_text(ref)
             raise Bad(f"job {name} is an array of {len(found)} elements: name one ({name}_INDEX)")
@@ -422,12 +444,15 @@ class Requests:
         ids = req.get("ids")
         if not isinstance(ids, list) or not ids or len(ids) > 10000:
             raise Bad("no job ids given")
+        _few_ranges(ids)
         results: List[dict] = []
         for ref in ids:
             try:
                 found = self._targets(peer, ref)
-                whole = _ref(ref)[1] is None and found[0].array_id == _ref(ref)[0]
-                results.append(self._apply(ref, found, change) if whole else self._one(ref, found[0], change))
+                one = not arrays.is_range(ref) and (
+                    _ref(ref)[1] is not None or found[0].array_id != _ref(ref)[0]
+                )
+                results.append(self._one(ref, found[0], change) if one else self._apply(ref, found, change))
             except Bad as err:
                 results.append({"id": ref, "ok": False, "error": str(err), "code": err.code})
         self.changed()
@@ -545,7 +570,7 @@ class Requests:
                 return dataclasses.replace(job, reason=J.STOP_CANCEL, stopped_by=who)
             if job.state == J.STOPPING:
                 return job
-            raise Bad(f"job {job.id} has already ended ({job.state})", 1)
+            raise Bad(f"job {J.ref(job)} has already ended ({job.state})", 1)
 
         return self._each(peer, user, req, cancel)
 
@@ -554,7 +579,7 @@ class Requests:
             if job.state == J.HELD:
                 return job
             if job.state != J.QUEUED:
-                raise Bad(f"job {job.id} is {job.state}: only a queued job can be held", 1)
+                raise Bad(f"job {J.ref(job)} is {job.state}: only a queued job can be held", 1)
             return J.held(job)
 
         return self._each(peer, user, req, hold)
@@ -562,7 +587,7 @@ class Requests:
     def _release(self, peer: Peer, user: pwd.struct_passwd, req: dict) -> dict:
         def release(job: Job) -> Job:
             if job.state != J.HELD:
-                raise Bad(f"job {job.id} is {job.state}, not held", 1)
+                raise Bad(f"job {J.ref(job)} is {job.state}, not held", 1)
             return J.released(job)
 
         return self._each(peer, user, req, release)
@@ -622,6 +647,7 @@ class Requests:
             "path": output_of(job),
             "state": job.state,
             "reason": job.reason,
+            "ran": job.started is not None,  # (one cancelled before it ran has no output: never had)
             "uid": job.uid,  # (whose: logs reads it as its owner)
             "gid": job.gid,
         }
@@ -783,8 +809,19 @@ def _ref(ref: object) -> Tuple[int, Optional[int]]:
 
 
 def _ref_text(ref: object) -> str:
+    if arrays.is_range(ref):  # (one already parsed: only its shape, in a line's length)
+        return sanitize(str(ref))[:80]
     job_id, index = _ref(ref)
     return str(job_id) if index is None else f"{job_id}_{index}"
+
+
+MAX_RANGES = 100  # ranges (`17_[0-3,8]`) in one request: each may name up to [queue] max_array_size
+
+
+def _few_ranges(ids: list) -> None:
+    """Bad when a request names more ranges than MAX_RANGES (what they cost the daemon is bounded)."""
+    if sum(1 for ref in ids if arrays.is_range(ref)) > MAX_RANGES:
+        raise Bad(f"at most {MAX_RANGES} ranges of elements (17_[0-3,8]) in one request")
 
 
 def _user(uid: int) -> pwd.struct_passwd:

@@ -301,7 +301,7 @@ class Queue:
                     self.hooks.add(n, now)
                 except Exception:  # (one job's hook: not run; the others, and every job, go on)
                     log.exception(
-                        "queue: job %s: its hook is not run: internal error (please report it)", n.job.id
+                        "queue: job %s: its hook is not run: internal error (please report it)", J.ref(n.job)
                     )
         try:
             self.hooks.poll(now)

@@ -120,8 +120,9 @@ ENVIRONMENT = Topic(
             "Set by systemd: readiness and watchdog pings, and log lines with their priority.",
         ),
         (
-            "CUDA_VISIBLE_DEVICES, GPU_MON_JOB_ID, GPU_MON_RESTART_COUNT",
-            "Given to a queued job: its GPUs' UUIDs, its id, and how many times it was stopped and rerun.",
+            "CUDA_VISIBLE_DEVICES, GPU_MON_JOB_ID, GPU_MON_JOB_REF, GPU_MON_RESTART_COUNT",
+            "Given to a queued job: its GPUs' UUIDs, its own number, its name as `jobs` gives it (17, an "
+            "array's element 17_5) and how many times it was stopped and rerun.",
         ),
     ),
     "man gpu-mon (ENVIRONMENT)",
