@@ -132,7 +132,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
         "wait": lambda a, s: _wait(_Waiting(a, s), list(a.ids), a.any_end),
         "queue": _drain,
         "show": lambda a, s: queue_show.run(a, s, _ask),
-        "update": lambda a, s: queue_update.update(a, s, _ask),
+        "update": lambda a, s: queue_update.update(a, s, _ask, said),
         "share": lambda a, s: queue_update.share(a, s, _ask),
     }[args.command]
     try:

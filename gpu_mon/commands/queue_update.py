@@ -15,6 +15,7 @@ from gpu_mon.commands.base import CliError
 from gpu_mon.queue import afterspec
 
 Ask = Callable[[str, dict], dict]
+Said = Callable[[List[dict], Callable[[dict, str], str]], int]  # queue.said: the results, a line each
 
 
 def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., None], job_id: Callable) -> None:
@@ -50,8 +51,8 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[..., Non
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def update(args: argparse.Namespace, socket: str, ask: Ask) -> int:
-    """Send the update; a line per job named."""
+def update(args: argparse.Namespace, socket: str, ask: Ask, said: Said) -> int:
+    """Send the update; a line per job named (`said`)."""
     from gpu_mon.config.values import duration
 
     req: dict = {"op": "update", "ids": list(args.ids)}
@@ -71,10 +72,8 @@ def update(args: argparse.Namespace, socket: str, ask: Ask) -> int:
         raise CliError(what) from None
     if len(req) == 2:
         raise CliError("update: nothing to change (--priority, --time-limit, --gpus, --after or --name)")
-    from gpu_mon.commands import queue  # (queue.py imports this module)
-
     results = ask(socket, req)["results"]
-    return queue.said(results, lambda r, of: f"updated ({f'{of}: ' if of else ''}{r['state']})")
+    return said(results, lambda r, of: f"updated ({f'{of}: ' if of else ''}{r['state']})")
 
 
 def share(args: argparse.Namespace, socket: str, ask: Ask) -> int:
