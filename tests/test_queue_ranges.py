@@ -75,6 +75,13 @@ def test_ranges_name_elements_for_every_command_and_bad_ones_are_one_line(rlab, 
     assert r.returncode == 0 and f"{arr}_[2,7] (2)" in r.stdout, r.stdout
     listed = json.loads(lab.run(ann, "jobs", "--json", f"{arr}_[0-3,8]", f"{arr}_[3]").stdout)["jobs"]
     assert [j["array_index"] for j in listed] == [0, 1, 2, 3, 8]
+    # show and update take them too
+    shown = json.loads(lab.run(ann, "show", "--json", f"{arr}_[4,6]").stdout)["jobs"]
+    assert [j["array_index"] for j in shown] == [4, 6]
+    r = lab.run(ann, "update", "--name", "two", f"{arr}_[4,6]")
+    assert r.returncode == 0, r.stderr
+    named = json.loads(lab.run(ann, "jobs", "--json", f"{arr}_[3-6]").stdout)["jobs"]
+    assert [j["name"] for j in named] == ["", "two", "", "two"]
     # release, hold, cancel: each element the range names, in one go; someone else's: refused
     r = lab.run(ben, "cancel", f"{arr}_[0-1]")
     assert (r.returncode, r.stderr) == (1, f"gpu-mon: job {arr}_[0-1] is gmrann's, not yours\n")

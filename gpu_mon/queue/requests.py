@@ -449,9 +449,7 @@ class Requests:
         for ref in ids:
             try:
                 found = self._targets(peer, ref)
-                one = not arrays.is_range(ref) and (
-                    _ref(ref)[1] is not None or found[0].array_id != _ref(ref)[0]
-                )
+                one = _names_one(ref, found)
                 results.append(self._one(ref, found[0], change) if one else self._apply(ref, found, change))
             except Bad as err:
                 results.append({"id": ref, "ok": False, "error": str(err), "code": err.code})
@@ -608,12 +606,13 @@ class Requests:
         ids = req.get("ids")
         if not isinstance(ids, list) or not ids or len(ids) > 10000:
             raise Bad("update: no job ids given")
+        _few_ranges(ids)
         change = update.asked(req, self.queue, self._after, self._could_start)
         results: List[dict] = []
         for ref in ids:
             try:
                 found = self._targets(peer, ref)
-                whole = _ref(ref)[1] is None and found[0].array_id == _ref(ref)[0]
+                whole = not _names_one(ref, found)  # (an array, or a range of its elements)
                 self._may_update(peer, found if whole else found[:1], change)
                 edit = partial(update.changed, change=change, waiting_only=whole)
                 results.append(self._apply(ref, found, edit) if whole else self._one(ref, found[0], edit))
@@ -806,6 +805,12 @@ def _ref(ref: object) -> Tuple[int, Optional[int]]:
         except ValueError:
             pass
     raise Bad(f"{sanitize(str(ref))[:40]!r} is not a job id")
+
+
+def _names_one(ref: object, found: List[Job]) -> bool:
+    """Whether `ref` names one job (an element, or a job that is no array), not an array or a range of
+    its elements (`found`: the jobs it names)."""
+    return not arrays.is_range(ref) and (_ref(ref)[1] is not None or found[0].array_id != _ref(ref)[0])
 
 
 def _ref_text(ref: object) -> str:
