@@ -12,6 +12,7 @@ import pytest
 
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import jobs as J
+from gpu_mon.queue.described import View, _described, describe, estimate, shared_of
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.listing import (
     LIST_COMMAND,
@@ -24,7 +25,7 @@ from gpu_mon.queue.listing import (
 )
 from gpu_mon.queue.placement import Waiting
 from gpu_mon.queue.protocol import _join
-from gpu_mon.queue.requests import Peer, Requests, View, _described, describe, estimate, shared_of
+from gpu_mon.queue.requests import Peer, Requests
 from gpu_mon.queue.store import Store
 
 

@@ -23,17 +23,17 @@ from gpu_mon.api.text import sanitize
 from gpu_mon.config import QueueSection
 from gpu_mon.queue import afterspec, arrays, fields, share, show, submitcheck, timelimits, update
 from gpu_mon.queue import jobs as J
+from gpu_mon.queue.described import View, describe, estimate, reason_key, reason_of
 from gpu_mon.queue.fields import MAX_NAME, Bad
 from gpu_mon.queue.grouped import grouped
 from gpu_mon.queue.jobs import Job
-from gpu_mon.queue.listing import Listing, command_json, iso, listed_reason, ran_in_all, run_seconds
-from gpu_mon.queue.placement import Waiting, never_fits, never_met
+from gpu_mon.queue.listing import Listing, listed_reason
+from gpu_mon.queue.placement import never_fits, never_met
 from gpu_mon.queue.protocol import DEFAULT_OUTPUT, PAGE_BYTES, Encoded, Pages
 from gpu_mon.queue.runs import how_it_ended
 from gpu_mon.queue.store import MIB, Drained, Limits, Refused, Store
 from gpu_mon.queue.words import never_met as waiting_words_never_met
 from gpu_mon.queue.words import refusal
-from gpu_mon.queue.words import waiting as waiting_words
 
 log = logging.getLogger("gpu_mon")
 
@@ -47,17 +47,6 @@ class Peer:
     pid: int
     uid: int
     gid: int
-
-
-@dataclass
-class View:
-    """What the daemon last decided, for `jobs`: waiting reasons and GPU indices."""
-
-    waiting: Dict[int, Waiting] = dataclasses.field(default_factory=dict)
-    index_of: Dict[str, int] = dataclasses.field(default_factory=dict)
-    placed_up_to: int = 0  # the highest job id the last placement knew
-    gpus: Optional[int] = None  # how many GPUs the queue had then (None: not placed yet)
-    estimates: Dict[int, float] = dataclasses.field(default_factory=dict)  # queued job -> estimated start
 
 
 def default_output(home: str, job_ref: Union[int, str]) -> str:
@@ -372,7 +361,7 @@ class Requests:
             return self._encoded(members[0], view, now, whole)
         encoded = self._encoded(members[0], view, now, whole)
         indices = arrays.ranges(m.array_index for m in members)
-        group = grouped(json.loads(encoded), members, view.index_of, lambda j: _reason_key(j, view))
+        group = grouped(json.loads(encoded), members, view.index_of, lambda j: reason_key(j, view))
         encoded = json.dumps(group, separators=(",", ":")).encode()
         return encoded[:-1] + b',"elements":"%s","count":%d}' % (indices.encode(), len(members))
 
@@ -725,74 +714,6 @@ def cancelled_reason(job: Job, who: str) -> str:
     if job.started is None:
         return f"cancelled by {who}"
     return f"cancelled by {who} while {job.state} (last run {how_it_ended(job)})"
-
-
-def describe(j: Job, view: View, now: float, whole: bool = False) -> dict:
-    """A job as `jobs --json` shows it (an array's element without its command: the listing's "arrays"
-    has it, as `shared_of` says)."""
-    indices = tuple(view.index_of.get(u) for u in j.gpus) if j.state in J.LIVE else ()
-    return _described(j, listed_reason(reason_of(j, view, now), whole), indices, whole, estimate(j, view))
-
-
-def estimate(j: Job, view: View) -> Optional[float]:
-    """When a queued job is estimated to start (wall-clock; None: unknown, or not queued)."""
-    return view.estimates.get(j.id) if j.state == J.QUEUED else None
-
-
-def shared_of(j: Job, whole: bool = False) -> dict:
-    """What an array's elements share, as a listing's "arrays" gives it under the array's id."""
-    text, cut = command_json(j.command, whole)
-    return {"command": json.loads(text), "command_cut": cut}
-
-
-def reason_of(j: Job, view: View, now: float) -> str:
-    """Why a queued job waits (the last placement's words), or why the job ended as it did."""
-    if j.state == J.QUEUED and j.id in view.waiting:
-        return waiting_words(view.waiting[j.id], j.user, view.index_of, now)
-    if j.state == J.QUEUED and j.id > view.placed_up_to:
-        return "waiting: just submitted"  # (the next placement, within 0.2 s, says more)
-    if j.state == J.HELD:
-        return "held"
-    return j.reason
-
-
-def _reason_key(j: Job, view: View) -> object:
-    """What decides reason_of(j) but its clock (equal keys: equal reasons), without making the words."""
-    if j.state == J.QUEUED and j.id in view.waiting:
-        return view.waiting[j.id]
-    return (j.state, j.id > view.placed_up_to, j.reason)
-
-
-def _described(
-    j: Job, reason: str, indices: tuple, whole: bool = False, start: Optional[float] = None
-) -> dict:
-    live = j.state in J.LIVE
-    command = {} if j.array_id else shared_of(j, whole)
-    return {
-        "id": j.id,
-        "user": j.user,
-        "name": j.name,
-        "state": j.state,
-        "reason": reason,
-        "gpus": list(j.gpus) if live else [],
-        "gpu_indices": list(indices),
-        "estimated_start": iso(start),
-        "gpus_wanted": j.gpus_wanted,
-        "priority": j.priority,
-        "submitted": iso(j.submitted),
-        "started": iso(j.started),
-        "ended": iso(j.ended),
-        "restarts": j.restarts,
-        "exit_status": j.exit_status,
-        "signal": j.signal or None,
-        "run_seconds": run_seconds(j),
-        "ran_seconds": ran_in_all(j),
-        "preempted": iso(j.preempted_at),
-        "preempted_reason": listed_reason(j.preempted_reason, whole),
-        **command,
-        "array_id": j.array_id or None,
-        "array_index": j.array_index if j.array_id else None,
-    }
 
 
 def _ref(ref: object) -> Tuple[int, Optional[int]]:

@@ -35,12 +35,13 @@ from gpu_mon.policy.decisions import Decision, Instance, Start, Wait
 from gpu_mon.queue import jobs as J
 from gpu_mon.queue import launching, notes, placement
 from gpu_mon.queue.adopt import Finder
+from gpu_mon.queue.described import View
 from gpu_mon.queue.hookleader import LeaderHooks
 from gpu_mon.queue.hooks import Hooks, Notices
 from gpu_mon.queue.jobs import Job
 from gpu_mon.queue.outside import UserUnits
 from gpu_mon.queue.prune import Pruner
-from gpu_mon.queue.requests import Requests, View, groups_of, output_of
+from gpu_mon.queue.requests import Requests, groups_of, output_of
 from gpu_mon.queue.runrecords import RunRecords
 from gpu_mon.queue.runs import JobRun, QueueReport, Runs
 from gpu_mon.queue.server import Server
