@@ -9,9 +9,10 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 T = TypeVar("T")
 
@@ -180,3 +181,36 @@ def no_storage_caps(code: Path) -> str:
     schema = code / "gpu_mon" / "config" / "schema_features.py"
     known = schema.exists() and "max_stored_mib_per_user" in schema.read_text()
     return "max_kept_per_user = 0\nmax_stored_mib_per_user = 0\n" if known else ""
+
+
+def side_by_side(
+    prog: str,
+    a: Any,
+    prefix: str,
+    say: str,
+    measure: Callable[[Path, Path, Any], Sequence[object]],
+    errors: Tuple[Type[BaseException], ...] = (RuntimeError,),
+) -> Optional[List[list]]:
+    """This checkout, then `a.baseline` (a git ref, extracted; '' for none), each measured by `measure(its
+    directory, its code, a)` in a new work directory: a row each, the version's label first. None after one
+    line on stderr when a measure raises one of `errors`. The directory is removed unless `a.keep`."""
+    root = Path(__file__).resolve().parent.parent
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(work, 0o755)
+    versions = [("this checkout", root)]
+    if a.baseline:
+        versions.append((a.baseline, extract_ref(root, a.baseline, work / "baseline-code")))
+    rows = []
+    try:
+        for i, (label, code) in enumerate(versions):
+            print(f"{label}: {say}", flush=True)
+            rows.append([label, *measure(work / f"run-{i}", code, a)])
+    except errors as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return None
+    finally:
+        if a.keep:
+            print(f"left in {work}")
+        else:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+    return rows

@@ -24,14 +24,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background import extract_ref, median, percentile, sim_gpus, start_daemon, table  # noqa: E402
+from background import median, percentile, side_by_side, sim_gpus, start_daemon, table  # noqa: E402
 from preempt import OPENER, WORKLOAD, baseline_problem, cpu_ticks  # noqa: E402
 
 # As fast as Python goes: one open and one close a turn; prints how many when told to stop (SIGTERM).
@@ -247,24 +246,10 @@ def main() -> int:
     if missing:
         print(f"{ap.prog}: cannot start: {'; '.join(missing)}", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="gpu-mon-flood-"))
-    os.chmod(work, 0o755)
-    versions = [("this checkout", ROOT)]
-    if a.baseline:
-        versions.append((a.baseline, extract_ref(ROOT, a.baseline, work / "baseline-code")))
-    rows = []
-    try:
-        for i, (label, code) in enumerate(versions):
-            print(f"{label}: {a.seconds:g} s of flood, then {a.trials} yields...", flush=True)
-            rows.append([label, *measure(work / f"run-{i}", code, a)])
-    except RuntimeError as err:
-        print(f"{ap.prog}: {err}", file=sys.stderr)
+    say = f"{a.seconds:g} s of flood, then {a.trials} yields..."
+    rows = side_by_side(ap.prog, a, "gpu-mon-flood-", say, measure)
+    if rows is None:
         return 1
-    finally:
-        if a.keep:
-            print(f"left in {work}")
-        else:
-            subprocess.run(["rm", "-rf", str(work)], check=False)
     print(
         f"\n{os.cpu_count()} CPUs; kernel {os.uname().release}; flood of {a.seconds:g} s by nobody on GPU 0"
     )

@@ -31,7 +31,6 @@ import pwd
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -39,10 +38,10 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background import (  # noqa: E402
-    extract_ref,
     median,
     percentile,
     queue_request,
+    side_by_side,
     sim_gpus,
     start_daemon,
     table,
@@ -289,24 +288,11 @@ def main() -> int:
     if missing:
         print(f"{ap.prog}: cannot start: {'; '.join(missing)}", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="gpu-mon-probes-"))
-    os.chmod(work, 0o755)
-    versions = [("this checkout", ROOT)]
-    if a.baseline:
-        versions.append((a.baseline, extract_ref(ROOT, a.baseline, work / "baseline-code")))
-    rows = []
-    try:
-        for i, (label, code) in enumerate(versions):
-            print(f"{label}: {a.seconds:g} s of probes, {a.trials} opens of each GPU, a loop...", flush=True)
-            rows.append([label, *measure(work / f"run-{i}", code, a)])
-    except (RuntimeError, subprocess.CalledProcessError) as err:
-        print(f"{ap.prog}: {err}", file=sys.stderr)
+    say = f"{a.seconds:g} s of probes, {a.trials} opens of each GPU, a loop..."
+    errors = (RuntimeError, subprocess.CalledProcessError)
+    rows = side_by_side(ap.prog, a, "gpu-mon-probes-", say, measure, errors)
+    if rows is None:
         return 1
-    finally:
-        if a.keep:
-            print(f"left in {work}")
-        else:
-            subprocess.run(["rm", "-rf", str(work)], check=False)
     print(
         f"\n{os.cpu_count()} CPUs; kernel {os.uname().release}; probes of {a.hold_ms:g} ms every "
         f"{a.period:g} s for {a.seconds:g} s by nobody on the job's GPU"
